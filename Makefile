@@ -1,0 +1,45 @@
+# Two commands do all the set-up on a fresh Linux machine with Python 3.11+:
+#   make demo   creates .venv, installs the framework, runs the demo
+#   make test   creates .venv, installs everything (Spark, PostgreSQL, test tools), runs the whole suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: demo test test-fast test-spark bench lint clean
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required, found " + sys.version.split()[0]' \
+		|| { echo "make: set PYTHON=python3.11 (or newer)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+$(VENV)/.core: $(BIN)/python pyproject.toml
+	$(PIP) install -e .
+	@touch $@
+
+$(VENV)/.all: $(BIN)/python pyproject.toml
+	$(PIP) install -e '.[dev,sql,spark]'
+	@touch $@ $(VENV)/.core
+
+demo: $(VENV)/.core
+	$(BIN)/python -m example_services.demo
+
+test: $(VENV)/.all
+	$(BIN)/python -m pytest
+
+test-fast: $(VENV)/.all
+	$(BIN)/python -m pytest -m "not slow and not spark"
+
+test-spark: $(VENV)/.all
+	$(BIN)/python -m pytest -m spark
+
+bench: $(VENV)/.all
+	$(BIN)/python -m benchmarks
+
+lint: $(VENV)/.all
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .framework .pytest_cache

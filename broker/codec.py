@@ -1,0 +1,74 @@
+"""Envelope <-> Redis stream entry fields.
+
+An entry holds flat fields so that consumers in any language (and Spark) can read it:
+
+    id       message id (UUID string)
+    type     payload type name
+    body     payload bytes (JSON unless content-type says otherwise)
+    ts       published_at, Unix milliseconds
+    key      partition/ordering key              (absent when the message has none)
+    headers  JSON object of string headers       (absent when empty)
+    attempt  attempt number through retry paths  (absent when 1)
+
+Destination and kind are not stored: the stream a message sits in names them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import orjson
+
+from broker.envelope import Envelope, Kind
+from broker.errors import DecodeError
+
+__all__ = ["decode_fields", "encode_fields"]
+
+
+def encode_fields(envelope: Envelope) -> list[bytes | str | int]:
+    """Flatten an envelope into XADD field/value arguments."""
+    out: list[bytes | str | int] = [
+        "id", envelope.id, "type", envelope.type, "body", envelope.body, "ts", envelope.published_at,
+    ]
+    if envelope.key is not None:
+        out += ("key", envelope.key)
+    if envelope.headers:
+        out += ("headers", orjson.dumps(envelope.headers))
+    if envelope.attempt != 1:
+        out += ("attempt", envelope.attempt)
+    return out
+
+
+def decode_fields(fields: Mapping[bytes, bytes], destination: str, kind: Kind) -> Envelope:
+    """Rebuild the envelope of a stream entry; raise :class:`DecodeError` naming what is wrong."""
+    try:
+        message_id = fields[b"id"].decode()
+        body = fields[b"body"]
+    except KeyError as exc:
+        raise DecodeError(f"entry has no {exc.args[0].decode()!r} field") from None
+    except UnicodeDecodeError:
+        raise DecodeError("field 'id' is not UTF-8") from None
+    try:
+        type_name = fields.get(b"type", b"").decode()
+        ts = fields.get(b"ts")
+        published_at = int(ts) if ts is not None else 0
+        key = fields.get(b"key")
+        raw_headers = fields.get(b"headers")
+        headers = orjson.loads(raw_headers) if raw_headers else {}
+        attempt_raw = fields.get(b"attempt")
+        attempt = int(attempt_raw) if attempt_raw is not None else 1
+    except (ValueError, UnicodeDecodeError, orjson.JSONDecodeError) as exc:
+        raise DecodeError(f"malformed envelope field: {exc}") from None
+    if not isinstance(headers, dict):
+        raise DecodeError("field 'headers' is not a JSON object")
+    return Envelope(
+        destination=destination,
+        kind=kind,
+        type=type_name,
+        body=body,
+        key=key.decode() if key is not None else None,
+        headers=headers,
+        id=message_id,
+        published_at=published_at,
+        attempt=attempt,
+    )

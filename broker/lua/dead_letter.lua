@@ -1,0 +1,21 @@
+-- dead_letter.lua: move one entry to its group's dead-letter stream, atomically with its ack.
+--
+-- KEYS[1]  stream the entry was read from
+-- KEYS[2]  the group's DLQ stream
+-- KEYS[3]  the group's leases zset (the message's lease, if any, is released)
+-- ARGV[1]  group
+-- ARGV[2]  entry id
+-- ARGV[3]  "1" to XDEL the entry after XACK, "0" to keep it (topic partition streams)
+-- ARGV[4]  message id ("" when the entry could not be decoded)
+-- ARGV[5 .. end]  field/value pairs of the DLQ entry (the original fields plus the reason)
+-- Returns the DLQ entry id, or false when the entry is no longer pending for the group (another
+-- consumer already settled it), so a repeated call never writes a second dead letter.
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #pending == 0 then return false end
+local fields = {}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+local dead = redis.call('XADD', KEYS[2], '*', unpack(fields))
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if ARGV[3] == '1' then redis.call('XDEL', KEYS[1], ARGV[2]) end
+if ARGV[4] ~= '' then redis.call('ZREM', KEYS[3], ARGV[4]) end
+return dead

@@ -1,0 +1,21 @@
+-- retry_later.lua: park one entry in its group's delayed-retry set, atomically with its ack.
+--
+-- KEYS[1]  stream the entry was read from
+-- KEYS[2]  the group's delayed zset (member = cmsgpack of the entry's field/value list, score = due ms)
+-- KEYS[3]  the group's leases zset
+-- ARGV[1]  group
+-- ARGV[2]  entry id
+-- ARGV[3]  "1" to XDEL the entry after XACK, "0" to keep it
+-- ARGV[4]  due time, Unix ms
+-- ARGV[5]  message id (its lease is released)
+-- ARGV[6 .. end]  field/value pairs to deliver again (attempt already raised)
+-- Returns 1, or 0 when the entry is no longer pending for the group.
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #pending == 0 then return 0 end
+local fields = {}
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('ZADD', KEYS[2], ARGV[4], cmsgpack.pack(fields))
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if ARGV[3] == '1' then redis.call('XDEL', KEYS[1], ARGV[2]) end
+if ARGV[5] ~= '' then redis.call('ZREM', KEYS[3], ARGV[5]) end
+return 1

@@ -1,0 +1,159 @@
+"""The Broker contract: what publishing, reading, acknowledging and retention promise.
+
+Any transport must keep these promises (``tests/test_broker_conformance.py`` checks them against
+the real server); the framework relies on nothing else.
+
+* **Publish.** ``publish`` returns once every envelope is durable on the server (as durable as the
+  server's persistence makes it). Envelopes with one key go to one partition and are stored in
+  the order given. A publish with an idempotency key is stored at most once per dedup window.
+* **Read.** A group sees every message of a destination once per delivery: a queue has one group
+  (its owning service); a topic has one group per subscribing service and each gets every event.
+  Within a group, an entry is delivered to one consumer at a time.
+* **Ack.** Until ``ack`` returns, a delivered entry stays pending for its consumer; a consumer
+  that comes back under the same name re-reads its own pending entries first, and entries idle
+  longer than the visibility timeout are claimed by another consumer (``claim_idle``), which
+  raises their delivery count. Nothing is lost when a consumer dies; it may be delivered again.
+* **Settle.** ``dead_letter`` and ``retry_later`` move an entry and acknowledge it in one atomic
+  step, and do nothing if the entry is no longer pending (another consumer settled it).
+* **Order.** Entries of one partition are delivered in stream order. Redeliveries (retries,
+  claims) may come after later entries; per-key order across failures is the runtime's job.
+* **Retention.** Queue entries are deleted when acknowledged. Topic entries are kept for the
+  destination's retention and trimmed only below the oldest entry some group has not yet
+  acknowledged or not yet been delivered, so trimming never drops an unprocessed event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import attrs
+
+from broker.envelope import Envelope
+from broker.keys import GroupKeys
+from broker.topology import DestinationSpec
+
+__all__ = ["Broker", "Delivery", "GroupPartition", "Start"]
+
+Start = Literal["earliest", "latest"]
+
+
+@attrs.frozen
+class GroupPartition:
+    """One consumer group's view of one partition of a destination."""
+
+    spec: DestinationSpec
+    partition: int
+    group: str
+    keys: GroupKeys
+
+    @property
+    def stream(self) -> str:
+        """The partition stream (shared by every group of a topic)."""
+        return self.keys.partition.stream
+
+    def deletes_on_ack(self, stream: str) -> bool:
+        """Whether acknowledged entries of ``stream`` are deleted (queues and redeliver streams)."""
+        return stream != self.keys.partition.stream or not self.spec.is_topic
+
+
+@attrs.define(slots=True)
+class Delivery:
+    """One delivery of a stream entry to a consumer of a group.
+
+    ``envelope`` is None when the entry could not be decoded; ``error`` then says why, and the
+    raw ``fields`` are kept for the dead-letter entry. ``delivery_count`` counts deliveries of
+    this entry (1 on first read; raised by redelivery after a crash or claim).
+    """
+
+    source: GroupPartition
+    stream: str
+    entry_id: str
+    fields: dict[bytes, bytes]
+    envelope: Envelope | None
+    error: str | None = None
+    delivery_count: int = 1
+
+    @property
+    def attempt(self) -> int:
+        """How many times this message has been attempted, counting retries and redeliveries."""
+        base = self.envelope.attempt if self.envelope is not None else 1
+        return base + self.delivery_count - 1
+
+    @property
+    def message_id(self) -> str:
+        """The envelope's id, or ``""`` for an undecodable entry."""
+        return self.envelope.id if self.envelope is not None else ""
+
+
+class Broker(Protocol):
+    """A message transport keeping the contract in this module's docstring."""
+
+    async def declare(self, spec: DestinationSpec) -> DestinationSpec:
+        """Register a destination; return the stored spec (an existing one wins if compatible).
+
+        Raises ``ConfigurationError`` if the destination exists with another kind or partition count.
+        """
+        ...
+
+    async def get_destination(self, name: str) -> DestinationSpec | None:
+        """The declared spec of ``name``, or None."""
+        ...
+
+    async def list_destinations(self) -> list[DestinationSpec]:
+        """Every declared destination, sorted by name."""
+        ...
+
+    async def subscribe(self, spec: DestinationSpec, group: str, start: Start = "earliest") -> list[GroupPartition]:
+        """Create ``group`` on every partition of ``spec`` (idempotent) and return its views.
+
+        ``start`` applies when the group is new: ``earliest`` reads a topic's retained history,
+        ``latest`` only what is published afterwards. Queues always start at the earliest entry.
+        """
+        ...
+
+    async def publish(self, envelopes: Sequence[Envelope], *, dedup_window_ms: int | None = None) -> list[str | None]:
+        """Store envelopes (pipelined); return each entry id, or None for a deduplicated repeat."""
+        ...
+
+    async def read(self, source: GroupPartition, consumer: str, count: int, block_ms: int) -> list[Delivery]:
+        """Deliver up to ``count`` new entries to ``consumer``, waiting up to ``block_ms`` for one."""
+        ...
+
+    async def read_own_pending(
+        self, source: GroupPartition, consumer: str, count: int, after: dict[str, str] | None = None
+    ) -> list[Delivery]:
+        """Deliver again the entries pending for ``consumer`` itself (after a restart), oldest first."""
+        ...
+
+    async def claim_idle(self, source: GroupPartition, consumer: str, min_idle_ms: int, count: int) -> list[Delivery]:
+        """Take over entries idle for at least ``min_idle_ms`` from any consumer of the group."""
+        ...
+
+    async def extend(self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery]) -> set[str]:
+        """Reset the idle time of deliveries ``consumer`` still owns; return their entry ids."""
+        ...
+
+    async def ack(self, source: GroupPartition, deliveries: Sequence[Delivery], *, inbox: bool = False) -> int:
+        """Acknowledge deliveries (one round trip per stream); with ``inbox``, record their ids."""
+        ...
+
+    async def dead_letter(self, delivery: Delivery, reason: dict[str, str]) -> str | None:
+        """Move a delivery to its group's DLQ with ``reason`` fields, atomically with its ack."""
+        ...
+
+    async def retry_later(self, delivery: Delivery, due_ms: int, *, attempt: int | None = None) -> bool:
+        """Park a delivery for redelivery to its group only at ``due_ms``, atomically with its ack."""
+        ...
+
+    async def move_due(self, source: GroupPartition, now_ms: int, limit: int = 500) -> int:
+        """Deliver the group's delayed retries that are due; each moves exactly once."""
+        ...
+
+    async def trim(self, spec: DestinationSpec, partition: int, now_ms: int) -> int:
+        """Apply retention to one partition without dropping unacknowledged entries."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...

@@ -1,0 +1,399 @@
+"""The Redis Streams transport: the Broker contract on Redis >= 6.2 or Valkey (single node or Cluster)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import orjson
+from redis.exceptions import NoScriptError, ResponseError
+
+from broker.codec import decode_fields, encode_fields
+from broker.envelope import Envelope, Kind, now_ms
+from broker.errors import ConfigurationError, DecodeError
+from broker.headers import FIRST_FAILED_AT, IDEMPOTENCY_KEY
+from broker.keys import KeySpace
+from broker.protocol import Delivery, GroupPartition, Start
+from broker.scripts import Script, load_scripts
+from broker.topology import DestinationSpec, validate_name
+
+__all__ = ["RedisBroker"]
+
+_ACK_CHUNK = 1000  # ids per script call; Lua's unpack() limit is about 8000
+_RAW = ("XREADGROUP", "XAUTOCLAIM", "XPENDING", "XINFO GROUPS", "XINFO STREAM", "XRANGE", "XREVRANGE")
+
+
+def _raw(response: Any, **_: Any) -> Any:
+    return response
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisBroker:
+    """Broker on Redis Streams. Use :func:`broker.connect` to build one from a URL.
+
+    One instance is safe to share between tasks of one event loop. Blocking reads take a
+    connection each from the pool for as long as they wait.
+    """
+
+    def __init__(self, client: Any, *, namespace: str = "fw", url: str = "", cluster: bool = False) -> None:
+        self.redis = client
+        self.keyspace = KeySpace(namespace)
+        self.url = url
+        self.cluster = cluster
+        self.scripts: dict[str, Script] = load_scripts()
+        self._specs: dict[str, DestinationSpec] = {}
+        self._claim_cursor: dict[tuple[str, str], str] = {}
+        for command in _RAW:  # parse stream replies ourselves: redis-py's dict building costs ~30%
+            client.set_response_callback(command, _raw)
+
+    @property
+    def namespace(self) -> str:
+        """Key prefix separating deployments (and test runs) on one server."""
+        return self.keyspace.namespace
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self.redis.aclose()
+
+    # -- topology ----------------------------------------------------------------------------
+
+    async def declare(self, spec: DestinationSpec) -> DestinationSpec:
+        """Register ``spec``; an existing registration wins unless it conflicts (then raise)."""
+        key = self.keyspace.destinations
+        await self.redis.hsetnx(key, spec.name, orjson.dumps(spec.to_json()))
+        stored = DestinationSpec.from_json(orjson.loads(await self.redis.hget(key, spec.name)))
+        if stored.kind != spec.kind:
+            noun = {"command": "a queue (commands: use send)", "event": "a topic (events: use publish)"}
+            raise ConfigurationError(f"{spec.name!r} is already declared as {noun[stored.kind]}, not as {spec.kind}s")
+        if stored.partitions != spec.partitions:
+            raise ConfigurationError(
+                f"{spec.name!r} already has {stored.partitions} partition(s); it cannot be declared with "
+                f"{spec.partitions}. Changing a destination's partition count is not supported: "
+                "use a new destination name, or declare it with the existing count."
+            )
+        if (stored.retention_ms, stored.max_length) != (spec.retention_ms, spec.max_length):
+            # Retention may change over time; the latest declaration wins.
+            await self.redis.hset(key, spec.name, orjson.dumps(spec.to_json()))
+            stored = spec
+        self._specs[spec.name] = stored
+        return stored
+
+    async def get_destination(self, name: str) -> DestinationSpec | None:
+        """The declared spec of ``name``, or None (cached after the first look-up)."""
+        spec = self._specs.get(name)
+        if spec is None:
+            raw = await self.redis.hget(self.keyspace.destinations, name)
+            if raw is None:
+                return None
+            spec = self._specs[name] = DestinationSpec.from_json(orjson.loads(raw))
+        return spec
+
+    async def list_destinations(self) -> list[DestinationSpec]:
+        """Every declared destination, sorted by name."""
+        raw = await self.redis.hgetall(self.keyspace.destinations)
+        specs = [DestinationSpec.from_json(orjson.loads(v)) for v in raw.values()]
+        return sorted(specs, key=lambda s: s.name)
+
+    async def list_subscriptions(self) -> list[tuple[str, str]]:
+        """Every (destination, group) pair that has subscribed, sorted."""
+        raw = await self.redis.hkeys(self.keyspace.subscriptions)
+        return sorted(tuple(_text(k).split("|", 1)) for k in raw)  # type: ignore[misc]
+
+    async def _spec_for(self, name: str, kind: Kind) -> DestinationSpec:
+        spec = await self.get_destination(name)
+        if spec is None:
+            spec = await self.declare(DestinationSpec(name=name, kind=kind))
+        elif spec.kind != kind:
+            verb = "send() a command to" if kind == "command" else "publish() an event to"
+            raise ConfigurationError(
+                f"cannot {verb} {name!r}: it is declared as a {'queue' if spec.kind == 'command' else 'topic'}"
+            )
+        return spec
+
+    def group_partition(self, spec: DestinationSpec, partition: int, group: str) -> GroupPartition:
+        """The view of ``group`` on one partition (no server call)."""
+        return GroupPartition(
+            spec=spec, partition=partition, group=group,
+            keys=self.keyspace.partition(spec.name, partition).group(group),
+        )
+
+    async def subscribe(self, spec: DestinationSpec, group: str, start: Start = "earliest") -> list[GroupPartition]:
+        """Create ``group`` on every partition stream and its redeliver stream (idempotent)."""
+        validate_name("group", group)
+        spec = await self.declare(spec)
+        if not spec.is_topic:
+            owners = {_text(g["name"]) for g in await self.stream_groups(self.keyspace.partition(spec.name, 0).stream)}
+            if owners - {group}:
+                raise ConfigurationError(
+                    f"queue {spec.name!r} is already consumed by {', '.join(sorted(owners))}; a queue has one "
+                    f"owning service. Use a topic (events) if {group!r} should also get these messages."
+                )
+        first = "0" if (start == "earliest" or not spec.is_topic) else "$"
+        views = [self.group_partition(spec, p, group) for p in range(spec.partitions)]
+        for view in views:
+            for stream, at in ((view.stream, first), (view.keys.redeliver, "0")):
+                try:
+                    await self.redis.xgroup_create(stream, group, id=at, mkstream=True)
+                except ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+        await self.redis.hsetnx(
+            self.keyspace.subscriptions, f"{spec.name}|{group}", orjson.dumps({"start": start})
+        )
+        return views
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    async def publish(self, envelopes: Sequence[Envelope], *, dedup_window_ms: int | None = None) -> list[str | None]:
+        """Append envelopes in one pipeline; return entry ids (None where an idempotency key repeated).
+
+        An envelope carrying the ``idempotency-key`` header is stored at most once per
+        ``dedup_window_ms`` (default: one day) per partition.
+        """
+        if not envelopes:
+            return []
+        window = dedup_window_ms if dedup_window_ms is not None else 24 * 3600 * 1000
+        calls: list[tuple[str, list[str], list[Any]]] = []
+        for env in envelopes:
+            spec = self._specs.get(env.destination)
+            if spec is None or spec.kind != env.kind:
+                spec = await self._spec_for(env.destination, env.kind)
+            pkeys = self.keyspace.partition(spec.name, spec.partition_for(env.key, env.id))
+            idem = env.headers.get(IDEMPOTENCY_KEY) if env.headers else None
+            if idem:
+                calls.append(("once", [pkeys.stream, pkeys.published], [idem, now_ms(), window, *encode_fields(env)]))
+            else:
+                calls.append(("xadd", [pkeys.stream], encode_fields(env)))
+        return [None if r is None else _text(r) for r in await self._run_pipeline(calls)]
+
+    async def _run_pipeline(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        """Run XADD and script calls in one round trip, reloading scripts the server lost."""
+        results: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for _ in range(2):
+            pipe = self.redis.pipeline(transaction=False)
+            for i in todo:
+                kind, keys, args = calls[i]
+                if kind == "xadd":
+                    pipe.execute_command("XADD", keys[0], "*", *args)
+                else:
+                    script = self.scripts["publish_once" if kind == "once" else kind]
+                    script.queue(pipe, keys, args)
+            replies = await pipe.execute(raise_on_error=False)
+            missing = []
+            for i, reply in zip(todo, replies, strict=True):
+                if isinstance(reply, NoScriptError):
+                    missing.append(i)
+                elif isinstance(reply, Exception):
+                    raise reply
+                else:
+                    results[i] = reply
+            if not missing:
+                return results
+            for script in self.scripts.values():
+                await self.redis.script_load(script.source)
+            todo = missing
+        raise RuntimeError("scripts could not be loaded on the server")
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _deliveries(self, source: GroupPartition, reply: Any, counts: dict[str, int] | None = None) -> list[Delivery]:
+        out: list[Delivery] = []
+        if not reply:
+            return out
+        name, kind = source.spec.name, source.spec.kind
+        if isinstance(reply, dict):  # RESP3 servers/clients answer with a map
+            reply = list(reply.items())
+        for stream_name, entries in reply:
+            stream = _text(stream_name)
+            for entry_id, flat in entries:
+                eid = _text(entry_id)
+                count = counts.get(eid, 1) if counts is not None else 1
+                if flat is None:  # deleted from the stream while pending
+                    out.append(Delivery(source, stream, eid, {}, None, "entry was deleted while pending", count))
+                    continue
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                try:
+                    env = decode_fields(fields, name, kind)
+                except DecodeError as exc:
+                    out.append(Delivery(source, stream, eid, fields, None, str(exc), count))
+                else:
+                    out.append(Delivery(source, stream, eid, fields, env, None, count))
+        return out
+
+    async def read(self, source: GroupPartition, consumer: str, count: int, block_ms: int) -> list[Delivery]:
+        """XREADGROUP new entries of the partition stream and the group's redeliver stream."""
+        args: list[Any] = ["GROUP", source.group, consumer, "COUNT", count]
+        if block_ms > 0:
+            args += ["BLOCK", block_ms]
+        args += ["STREAMS", source.stream, source.keys.redeliver, ">", ">"]
+        reply = await self.redis.execute_command("XREADGROUP", *args)
+        return self._deliveries(source, reply)
+
+    async def read_own_pending(
+        self, source: GroupPartition, consumer: str, count: int, after: dict[str, str] | None = None
+    ) -> list[Delivery]:
+        """Re-read entries pending for ``consumer`` itself, oldest first, after ids in ``after``."""
+        after = after or {}
+        streams = (source.stream, source.keys.redeliver)
+        starts = [after.get(s, "0") for s in streams]
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.execute_command(
+            "XREADGROUP", "GROUP", source.group, consumer, "COUNT", count, "STREAMS", *streams, *starts
+        )
+        for stream, start in zip(streams, starts, strict=True):
+            lo = "-" if start == "0" else f"({start}"
+            pipe.execute_command("XPENDING", stream, source.group, lo, "+", count, consumer)
+        reply, *pending = await pipe.execute()
+        counts = {_text(p[0]): int(p[3]) for rows in pending for p in rows}
+        return self._deliveries(source, reply, counts)
+
+    async def claim_idle(self, source: GroupPartition, consumer: str, min_idle_ms: int, count: int) -> list[Delivery]:
+        """XAUTOCLAIM entries idle past ``min_idle_ms``; their delivery counts are raised by one."""
+        out: list[Delivery] = []
+        for stream in (source.stream, source.keys.redeliver):
+            cursor_key = (stream, source.group)
+            start = self._claim_cursor.get(cursor_key, "0-0")
+            reply = await self.redis.execute_command(
+                "XAUTOCLAIM", stream, source.group, consumer, min_idle_ms, start, "COUNT", count
+            )
+            self._claim_cursor[cursor_key] = _text(reply[0])
+            entries = [e for e in reply[1] if e is not None]
+            if not entries:
+                continue
+            ids = [_text(e[0]) for e in entries]
+            rows = await self.redis.execute_command(
+                "XPENDING", stream, source.group, ids[0], ids[-1], len(ids) * 2 + 10, consumer
+            )
+            counts = {_text(p[0]): int(p[3]) for p in rows}
+            out += self._deliveries(source, [[stream, entries]], counts)
+        return out
+
+    async def extend(self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery]) -> set[str]:
+        """Touch deliveries ``consumer`` still owns so they are not claimed; return the owned ids."""
+        owned: set[str] = set()
+        by_stream: dict[str, list[str]] = defaultdict(list)
+        for d in deliveries:
+            by_stream[d.stream].append(d.entry_id)
+        for stream, ids in by_stream.items():
+            reply = await self.scripts["extend"](self.redis, [stream], [source.group, consumer, *ids])
+            owned.update(_text(i) for i in reply)
+        return owned
+
+    # -- settling ------------------------------------------------------------------------------
+
+    async def ack(self, source: GroupPartition, deliveries: Sequence[Delivery], *, inbox: bool = False) -> int:
+        """Acknowledge deliveries in one round trip; with ``inbox`` also record their message ids."""
+        if not deliveries:
+            return 0
+        by_stream: dict[str, list[Delivery]] = defaultdict(list)
+        for d in deliveries:
+            by_stream[d.stream].append(d)
+        now = now_ms()
+        calls: list[tuple[str, list[str], list[Any]]] = []
+        keys = source.keys
+        for stream, items in by_stream.items():
+            delete = "1" if source.deletes_on_ack(stream) else "0"
+            for i in range(0, len(items), _ACK_CHUNK):
+                chunk = items[i : i + _ACK_CHUNK]
+                args: list[Any] = [source.group, delete, now, len(chunk), *(d.entry_id for d in chunk)]
+                if inbox:
+                    args += [d.envelope.id for d in chunk if d.envelope is not None]
+                calls.append(("ack", [stream, keys.inbox, keys.leases], args))
+        return sum(int(r) for r in await self._run_pipeline(calls))
+
+    async def dead_letter(self, delivery: Delivery, reason: dict[str, str]) -> str | None:
+        """Write the delivery's fields plus ``reason`` to the group's DLQ and ack it, atomically."""
+        source = delivery.source
+        flat: list[Any] = []
+        for k, v in delivery.fields.items():
+            flat += (k, v)
+        for k, v in reason.items():
+            flat += (k, v)
+        if not flat:
+            flat = ["dlq-empty", "1"]
+        delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
+        reply = await self.scripts["dead_letter"](
+            self.redis,
+            [delivery.stream, source.keys.dlq, source.keys.leases],
+            [source.group, delivery.entry_id, delete, delivery.message_id, *flat],
+        )
+        return None if reply is None else _text(reply)
+
+    async def retry_later(self, delivery: Delivery, due_ms: int, *, attempt: int | None = None) -> bool:
+        """Park the delivery until ``due_ms`` for its group only, atomically with its ack.
+
+        The parked copy carries ``attempt + 1`` (default: the delivery's attempt) and the time of
+        its first failure (field ``first-failed-at``), which dead letters report.
+        """
+        if delivery.envelope is None:
+            raise ValueError("an undecodable delivery cannot be retried; dead-letter it")
+        source = delivery.source
+        fields = {k: v for k, v in delivery.fields.items() if k != b"attempt"}
+        fields[b"attempt"] = str((attempt if attempt is not None else delivery.attempt) + 1).encode()
+        fields.setdefault(FIRST_FAILED_AT.encode(), str(now_ms()).encode())
+        flat: list[Any] = []
+        for k, v in fields.items():
+            flat += (k, v)
+        delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
+        reply = await self.scripts["retry_later"](
+            self.redis,
+            [delivery.stream, source.keys.delayed, source.keys.leases],
+            [source.group, delivery.entry_id, delete, due_ms, delivery.message_id, *flat],
+        )
+        return bool(reply)
+
+    async def move_due(self, source: GroupPartition, now_ms: int, limit: int = 500) -> int:
+        """Move due delayed retries of the group to its redeliver stream."""
+        return int(await self.scripts["move_due"](self.redis, [source.keys.delayed, source.keys.redeliver], [now_ms, limit]))
+
+    # -- retention -----------------------------------------------------------------------------
+
+    async def trim(self, spec: DestinationSpec, partition: int, now_ms: int, *, max_removed: int = 10_000) -> int:
+        """Trim a topic partition by its retention, never below an unacknowledged entry.
+
+        Queues are not trimmed (their entries are deleted on ack). Also drops producer
+        idempotency keys older than one day. Returns the number of entries removed.
+        """
+        pkeys = self.keyspace.partition(spec.name, partition)
+        await self.redis.zremrangebyscore(pkeys.published, "-inf", now_ms - 24 * 3600 * 1000)
+        if not spec.is_topic or (spec.retention_ms is None and spec.max_length is None):
+            return 0
+        cutoff = f"{max(now_ms - spec.retention_ms, 0)}-0" if spec.retention_ms is not None else "0"
+        return int(await self.scripts["trim"](
+            self.redis, [pkeys.stream], [cutoff, spec.max_length or 0, max_removed]
+        ))
+
+    # -- inspection helpers --------------------------------------------------------------------
+
+    async def stream_groups(self, stream: str) -> list[dict[str, Any]]:
+        """XINFO GROUPS of a stream as dicts with str keys ([] when the stream does not exist)."""
+        try:
+            reply = await self.redis.execute_command("XINFO GROUPS", stream)
+        except ResponseError:
+            return []
+        groups = []
+        for row in reply:
+            if isinstance(row, dict):
+                groups.append({_text(k): v for k, v in row.items()})
+            else:
+                groups.append({_text(row[i]): row[i + 1] for i in range(0, len(row), 2)})
+        return groups
+
+    @staticmethod
+    def entries_to_deliveries(source: GroupPartition, stream: str, entries: Iterable[Any]) -> list[Delivery]:
+        """Turn raw XRANGE rows of ``stream`` into deliveries (used by DLQ tools and tests)."""
+        out = []
+        for entry_id, flat in entries:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            try:
+                env: Envelope | None = decode_fields(fields, source.spec.name, source.spec.kind)
+                err = None
+            except DecodeError as exc:
+                env, err = None, str(exc)
+            out.append(Delivery(source, stream, _text(entry_id), fields, env, err))
+        return out

@@ -1,0 +1,48 @@
+"""The Lua scripts in ``broker/lua/``, loaded once per connection and called by SHA.
+
+Each script's header documents the keys it touches. A script missing on the server (after a
+restart or SCRIPT FLUSH) is loaded again and the call repeated; the scripts are written so that
+a repeated call after NOSCRIPT is safe, since NOSCRIPT means the first call did not run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+__all__ = ["Script", "load_scripts"]
+
+_NAMES = ("ack", "dead_letter", "retry_later", "move_due", "extend", "trim", "publish_once")
+
+
+class Script:
+    """A Lua script called by EVALSHA, reloaded on NOSCRIPT."""
+
+    __slots__ = ("name", "sha", "source")
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run the script on ``client`` (a client, not a pipeline)."""
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await client.script_load(self.source)
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+
+    def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
+        """Add a call to a pipeline; the caller handles NoScriptError results (see RedisBroker)."""
+        pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+
+def load_scripts() -> dict[str, Script]:
+    """Read every script shipped in ``broker/lua``."""
+    base = resources.files("broker") / "lua"
+    return {name: Script(name, (base / f"{name}.lua").read_text()) for name in _NAMES}

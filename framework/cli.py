@@ -1,0 +1,316 @@
+"""The ``framework`` command: run services, inspect destinations, send messages, manage the server.
+
+Every sub-command takes ``--redis-url`` (default ``$REDIS_URL``, else the embedded Valkey in
+``./.framework/valkey``) and ``--namespace`` (default ``$FRAMEWORK_NAMESPACE`` or ``fw``). Errors
+are one line on stderr with exit status 2 (bad arguments) or 1 (the broker or the code failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import anyio
+import orjson
+
+from broker import BrokerError, connect
+from framework.logs import configure_logging, get_logger
+from framework.service import HandlerError, Service
+
+__all__ = ["load_services", "main"]
+
+
+class UsageError(Exception):
+    """A wrong argument: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def load_services(targets: Sequence[str]) -> list[Service]:
+    """Import ``module:attribute`` targets (a Service or a list of them; ``module`` alone finds all)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)  # like `python -m`: services in the working directory are importable
+    services: list[Service] = []
+    for target in targets:
+        module_name, _, attr = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            raise UsageError(f"cannot import {module_name!r}: {exc}") from None
+        except HandlerError as exc:
+            raise UsageError(str(exc)) from None
+        found = {k: v for k, v in vars(module).items() if isinstance(v, Service)}
+        if not attr:
+            if not found:
+                raise UsageError(f"module {module_name!r} defines no Service; name one as {module_name}:NAME")
+            services += list(found.values())
+            continue
+        if not hasattr(module, attr):
+            hint = f"; services there: {', '.join(sorted(found))}" if found else ""
+            raise UsageError(f"module {module_name!r} has no attribute {attr!r}{hint}")
+        value = getattr(module, attr)
+        items = value if isinstance(value, list | tuple) else [value]
+        for item in items:
+            if not isinstance(item, Service):
+                raise UsageError(f"{target} is a {type(item).__name__}, not a framework.Service")
+            services.append(item)
+    unique: dict[str, Service] = {}
+    for s in services:
+        unique.setdefault(s.name, s)
+    return list(unique.values())
+
+
+def _json_arg(text: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise UsageError(f"payload is not valid JSON ({exc}): {text[:80]!r}") from None
+
+
+# -- commands -------------------------------------------------------------------------------------------
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from framework.runtime import Runtime
+    from framework.settings import RuntimeSettings
+
+    services = load_services(args.targets)
+    settings = RuntimeSettings(
+        concurrency=args.concurrency,
+        prefetch=args.prefetch,
+        visibility_timeout=args.visibility_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+        consumer=args.consumer,
+    )
+    runtime = Runtime(services, url=args.redis_url, namespace=args.namespace, settings=settings)
+    log = get_logger("framework.cli")
+
+    async def watch_signals(scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if runtime._stopping:
+                    log.warning("second signal: exiting now; unacknowledged messages will be redelivered")
+                    os._exit(128 + signum)
+                log.info("signal received: shutting down gracefully", signal=signal.Signals(signum).name)
+                runtime.stop()
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_signals, tg.cancel_scope)
+            await runtime.run()
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from broker.inspect import describe
+
+    async def collect() -> list[Any]:
+        broker = await connect(args.redis_url, namespace=args.namespace)
+        try:
+            return await describe(broker, args.destinations or None)
+        finally:
+            await broker.close()
+
+    try:
+        states = anyio.run(collect)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        sys.stdout.write(orjson.dumps([s.to_json() for s in states], option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"destinations (namespace {args.namespace or os.environ.get('FRAMEWORK_NAMESPACE') or 'fw'})")
+    for col in ("destination", "kind", "parts", "depth", "group", "consumers", "pending", "lag", "delayed", "dlq"):
+        table.add_column(col, justify="right" if col not in ("destination", "kind", "group") else "left")
+    for s in states:
+        groups = s.to_json()["groups"] or [None]
+        for i, g in enumerate(groups):
+            head = [s.spec.name, "queue" if s.spec.kind == "command" else "topic", str(s.spec.partitions),
+                    str(s.depth)] if i == 0 else ["", "", "", ""]
+            tail = ([g["group"], str(g["consumers"]), str(g["pending"]), str(g["lag"]), str(g["delayed"]),
+                     str(g["dead_letters"])] if g else ["(no group)", "", "", "", "", ""])
+            table.add_row(*head, *tail)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    if not states:
+        console.print("no destinations declared yet (publish a message or run a service first)")
+    else:
+        console.print(table)
+    return 0
+
+
+def _cmd_produce(kind: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from framework.client import Client
+
+        payload = _json_arg(args.payload)
+
+        async def go() -> str:
+            async with Client(args.redis_url, namespace=args.namespace) as client:
+                method = client.send if kind == "command" else client.publish
+                return await method(args.destination, payload, key=args.key, type=args.type,
+                                    idempotency_key=args.idempotency_key)
+
+        message_id = anyio.run(go)
+        print(message_id)
+        return 0
+
+    return run
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    from broker.embedded import EmbeddedServer
+
+    server = EmbeddedServer(args.data_dir)
+    if args.action == "start":
+        url = server.ensure_running()
+        print(f"embedded Valkey running at {url} (data in {server.data_dir})")
+    elif args.action == "stop":
+        print("stopped" if server.stop() else f"not running (data dir {server.data_dir})")
+    else:
+        st = server.status()
+        if st.running:
+            print(f"running: {st.url} pid {st.pid} (data in {st.data_dir})")
+        else:
+            print(f"not running (data dir {st.data_dir}); start it with `framework server start`")
+            return 3
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text.removesuffix("s"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds like 30 or 2.5s, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def _connection_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=None, help="broker URL (default: $REDIS_URL, else the embedded Valkey)")
+    p.add_argument("--namespace", default=None, help="key prefix (default: $FRAMEWORK_NAMESPACE or 'fw')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``framework`` command."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, help="debug, info, warning, error (default: info)")
+    common.add_argument("--log-format", choices=("console", "json"), default=argparse.SUPPRESS,
+                        help="default: console on a terminal, json otherwise")
+    parser = _Parser(prog="framework", description="Event-driven microservices on Redis Streams.",
+                     parents=[common])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    real_add = sub.add_parser
+
+    def add_parser(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return real_add(name, parents=[common], **kwargs)
+
+    sub.add_parser = add_parser  # every sub-command accepts the logging options too
+
+    run = sub.add_parser("run", help="run services until SIGTERM/SIGINT")
+    run.add_argument("targets", nargs="+", metavar="MODULE:SERVICE", help="e.g. example_services.billing:service")
+    run.add_argument("--concurrency", type=_positive_int, default=64, help="handlers running at once (default 64)")
+    run.add_argument("--prefetch", type=_positive_int, default=500, help="entries fetched per read (default 500)")
+    run.add_argument("--visibility-timeout", type=_seconds, default=60.0,
+                     help="seconds before another consumer may claim an unacknowledged entry (default 60)")
+    run.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                     help="seconds in-flight handlers get to finish on shutdown (default 30)")
+    run.add_argument("--consumer", default=None, help="consumer name (default: host name and a free slot)")
+    _connection_options(run)
+    run.set_defaults(func=_cmd_run)
+
+    status = sub.add_parser("status", help="destinations, partitions, groups, depth, pending and lag")
+    status.add_argument("destinations", nargs="*", help="only these destinations")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    _connection_options(status)
+    status.set_defaults(func=_cmd_status)
+
+    for name, kind, noun in (("send", "command", "queue"), ("publish", "event", "topic")):
+        p = sub.add_parser(name, help=f"{name} one {kind} (JSON) to a {noun}")
+        p.add_argument("destination", metavar=noun.upper())
+        p.add_argument("payload", metavar="JSON")
+        p.add_argument("--key", default=None, help="partition/ordering key")
+        p.add_argument("--type", default=None, help="payload type name recorded in the envelope")
+        p.add_argument("--idempotency-key", default=None, help="drop repeats of this key within the dedup window")
+        _connection_options(p)
+        p.set_defaults(func=_cmd_produce(kind))
+
+    server = sub.add_parser("server", help="manage the embedded Valkey server")
+    server.add_argument("action", choices=("start", "stop", "status"))
+    server.add_argument("--data-dir", default=None, help="default: $FRAMEWORK_HOME/valkey or ./.framework/valkey")
+    server.set_defaults(func=_cmd_server)
+
+    _register_extensions(sub)
+    return parser
+
+
+def _register_extensions(sub: Any) -> None:
+    """Sub-commands that live beside their feature (dead letters, outbox)."""
+    for module_name in ("framework.dlq_cli", "framework.outbox_cli"):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        module.register(sub, _connection_options, UsageError)
+
+
+def _cause(group: BaseExceptionGroup) -> BaseException:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _cause(exc)
+        if isinstance(exc, UsageError | BrokerError | HandlerError | KeyboardInterrupt):
+            return exc
+    return group
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``framework`` and ``python -m framework``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(getattr(args, "log_level", None), getattr(args, "log_format", None))
+    try:
+        try:
+            return int(args.func(args) or 0)
+        except BaseExceptionGroup as group:  # raised through task groups: report the cause
+            raise _cause(group) from None
+    except UsageError as exc:
+        print(f"framework {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (BrokerError, HandlerError) as exc:
+        print(f"framework {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

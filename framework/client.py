@@ -1,0 +1,187 @@
+"""Publishing from plain code: an async :class:`Client` and a blocking :class:`SyncClient`.
+
+``send`` puts a command on a queue, ``publish`` an event on a topic; both return once the message
+is stored. ``send_many``/``publish_many`` and :meth:`Client.batch` pipeline many messages in one
+round trip. ``idempotency_key`` makes a repeated publish (a retried HTTP request, say) a no-op
+within the broker's dedup window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import anyio.from_thread
+
+from broker import COMMAND, EVENT, Envelope, RedisBroker, connect
+from framework.messages import Outgoing, build_envelope
+from framework.service import Queue, Topic
+
+__all__ = ["Batch", "Client", "SyncClient"]
+
+
+class Batch:
+    """Messages collected to be published together, in order, in one pipeline."""
+
+    def __init__(self) -> None:
+        self.items: list[Outgoing] = []
+
+    def send(self, queue: str | Queue, command: Any, **options: Any) -> str:
+        """Add a command; returns its message id."""
+        env, spec = build_envelope(queue, COMMAND, command, **options)
+        self.items.append((env, spec))
+        return env.id
+
+    def publish(self, topic: str | Topic, event: Any, **options: Any) -> str:
+        """Add an event; returns its message id."""
+        env, spec = build_envelope(topic, EVENT, event, **options)
+        self.items.append((env, spec))
+        return env.id
+
+
+class Client:
+    """Async producer. ``async with Client() as c: await c.send("billing.refund", Refund(...))``.
+
+    Without ``url``/``broker`` it connects like the runtime does: ``REDIS_URL``, else the
+    embedded server.
+    """
+
+    def __init__(self, url: str | None = None, *, namespace: str | None = None,
+                 broker: RedisBroker | None = None) -> None:
+        self._url = url
+        self._namespace = namespace
+        self._broker = broker
+        self._owns = broker is None
+        self._declared: set[str] = set()
+
+    async def __aenter__(self) -> Client:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> RedisBroker:
+        """Connect now (otherwise the first publish does)."""
+        if self._broker is None:
+            self._broker = await connect(self._url, namespace=self._namespace)
+        return self._broker
+
+    @property
+    def broker(self) -> RedisBroker:
+        """The connected broker."""
+        if self._broker is None:
+            raise RuntimeError("client is not connected: use `async with Client()` or await connect()")
+        return self._broker
+
+    async def close(self) -> None:
+        """Close the connection if this client opened it."""
+        if self._owns and self._broker is not None:
+            await self._broker.close()
+            self._broker = None
+
+    async def _publish(self, items: list[Outgoing], dedup_window_ms: int | None = None) -> list[str | None]:
+        broker = await self.connect()
+        for _, spec in items:
+            if spec is not None and spec.name not in self._declared:
+                await broker.declare(spec)
+                self._declared.add(spec.name)
+        return await broker.publish([env for env, _ in items], dedup_window_ms=dedup_window_ms)
+
+    async def send(self, queue: str | Queue, command: Any, *, key: str | None = None,
+                   headers: Mapping[str, str] | None = None, type: str | None = None,
+                   idempotency_key: str | None = None, message_id: str | None = None) -> str:
+        """Send a command to ``queue``; return its message id."""
+        item = build_envelope(queue, COMMAND, command, key=key, headers=headers, type=type,
+                              idempotency_key=idempotency_key, message_id=message_id)
+        await self._publish([item])
+        return item[0].id
+
+    async def publish(self, topic: str | Topic, event: Any, *, key: str | None = None,
+                      headers: Mapping[str, str] | None = None, type: str | None = None,
+                      idempotency_key: str | None = None, message_id: str | None = None) -> str:
+        """Publish an event to ``topic``; return its message id."""
+        item = build_envelope(topic, EVENT, event, key=key, headers=headers, type=type,
+                              idempotency_key=idempotency_key, message_id=message_id)
+        await self._publish([item])
+        return item[0].id
+
+    async def send_many(self, queue: str | Queue, commands: Iterable[Any], *,
+                        key: Callable[[Any], str] | None = None) -> list[str]:
+        """Send many commands in one pipeline; ``key`` computes each one's key."""
+        items = [build_envelope(queue, COMMAND, c, key=key(c) if key else None) for c in commands]
+        await self._publish(items)
+        return [env.id for env, _ in items]
+
+    async def publish_many(self, topic: str | Topic, events: Iterable[Any], *,
+                           key: Callable[[Any], str] | None = None) -> list[str]:
+        """Publish many events in one pipeline; ``key`` computes each one's key."""
+        items = [build_envelope(topic, EVENT, e, key=key(e) if key else None) for e in events]
+        await self._publish(items)
+        return [env.id for env, _ in items]
+
+    async def publish_envelopes(self, envelopes: Iterable[Envelope]) -> list[str | None]:
+        """Publish prepared envelopes as they are (the outbox relay and tools use this)."""
+        return await self._publish([(e, None) for e in envelopes])
+
+    @contextlib.asynccontextmanager
+    async def batch(self) -> AsyncIterator[Batch]:
+        """Collect sends and publishes; they are stored together when the block exits without error."""
+        b = Batch()
+        yield b
+        if b.items:
+            await self._publish(b.items)
+
+
+class SyncClient:
+    """Blocking producer for sync code: the same calls as :class:`Client`, run on a private event loop."""
+
+    def __init__(self, url: str | None = None, *, namespace: str | None = None) -> None:
+        self._cm = anyio.from_thread.start_blocking_portal()
+        self._portal = self._cm.__enter__()
+        self._client = Client(url, namespace=namespace)
+        try:
+            self._portal.call(self._client.connect)
+        except BaseException:
+            self._cm.__exit__(None, None, None)
+            raise
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection and stop the private event loop."""
+        if self._portal is not None:
+            self._portal.call(self._client.close)
+            self._cm.__exit__(None, None, None)
+            self._portal = None  # type: ignore[assignment]
+
+    def send(self, queue: str | Queue, command: Any, **options: Any) -> str:
+        """See :meth:`Client.send`."""
+        return self._portal.call(lambda: self._client.send(queue, command, **options))
+
+    def publish(self, topic: str | Topic, event: Any, **options: Any) -> str:
+        """See :meth:`Client.publish`."""
+        return self._portal.call(lambda: self._client.publish(topic, event, **options))
+
+    def send_many(self, queue: str | Queue, commands: Iterable[Any], **options: Any) -> list[str]:
+        """See :meth:`Client.send_many`."""
+        items = list(commands)
+        return self._portal.call(lambda: self._client.send_many(queue, items, **options))
+
+    def publish_many(self, topic: str | Topic, events: Iterable[Any], **options: Any) -> list[str]:
+        """See :meth:`Client.publish_many`."""
+        items = list(events)
+        return self._portal.call(lambda: self._client.publish_many(topic, items, **options))
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[Batch]:
+        """Collect sends and publishes; stored together when the block exits without error."""
+        b = Batch()
+        yield b
+        if b.items:
+            self._portal.call(self._client._publish, b.items)

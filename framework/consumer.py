@@ -1,0 +1,356 @@
+"""The consumer actor: one per handler, fetching its partitions, dispatching to lanes, settling.
+
+For each partition the consumer runs a fetcher (its own pending entries first, then new ones),
+and beside them an ack flusher, a claimer (entries other consumers left idle past the visibility
+timeout), an extender (keeps entries it holds from being claimed while handlers run), the retry
+mover (due delayed retries back to this group only) and, for topics, the retention trimmer.
+
+A message is acknowledged only after its handler returned and its staged messages were
+published; failures go to the handler's RetryPolicy (retry in place, delayed retry through the
+group's retry path, or the dead-letter queue, each atomic with the ack).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import attrs
+
+from broker import Delivery, GroupPartition, now_ms
+from framework.context import Context
+from framework.dead_letters import exception_reason, poison_reason
+from framework.logs import get_logger
+from framework.payloads import PayloadError
+from framework.retry import Decision
+from framework.service import Handler
+from framework.supervisor import supervise
+
+if TYPE_CHECKING:
+    from framework.runtime import Runtime
+
+__all__ = ["Consumer", "ConsumerStats"]
+
+log = get_logger("framework.consumer")
+
+Work = tuple[Delivery, Any]  # a delivery and its decoded payload
+
+
+@attrs.define
+class ConsumerStats:
+    """Counters of one handler in this process (exported as metrics by the tracing layer)."""
+
+    fetched: int = 0
+    processed: int = 0
+    failed: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    duplicates: int = 0
+    handler_seconds: float = 0.0
+
+
+class _PartitionState:
+    """What a consumer tracks for one partition."""
+
+    __slots__ = ("ack_buffer", "ack_wakeup", "capacity", "held", "in_flight", "view")
+
+    def __init__(self, view: GroupPartition) -> None:
+        self.view = view
+        self.held: dict[str, tuple[Delivery, float]] = {}  # entry id -> (delivery, fetched at)
+        self.in_flight = 0
+        self.capacity = anyio.Event()
+        self.ack_buffer: list[Delivery] = []
+        self.ack_wakeup = anyio.Event()
+
+
+class Consumer:
+    """Runs one handler of one service over every partition of its destination."""
+
+    def __init__(self, runtime: Runtime, handler: Handler, views: list[GroupPartition], scope: int) -> None:
+        self.runtime = runtime
+        self.handler = handler
+        self.scope = scope  # distinguishes this consumer's keys in the shared lanes
+        self.states = {v.partition: _PartitionState(v) for v in views}
+        self.stats = ConsumerStats()
+        self._fetch_scope = anyio.CancelScope()
+        self._log = log.bind(service=handler.service, handler=handler.name, destination=handler.destination.name)
+
+    # -- actor tree ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run every task of this consumer until cancelled (fetching stops on :meth:`stop_fetching`)."""
+        settings = self.runtime.settings
+        async with anyio.create_task_group() as tg:
+            for state in self.states.values():
+                name = f"{self.handler.label}[{state.view.partition}]"
+                tg.start_soon(self._fetchers_guarded, state, name)
+                tg.start_soon(supervise, f"{name}.acks", self._ack_loop, state)
+                tg.start_soon(supervise, f"{name}.claims", self._every, settings.claim_interval, self._claim, state)
+                tg.start_soon(supervise, f"{name}.extend", self._every, settings.extend_interval, self._extend, state)
+                tg.start_soon(supervise, f"{name}.retries", self._every, settings.retry_interval, self._move_due, state)
+            if self.handler.destination.spec().is_topic:
+                tg.start_soon(supervise, f"{self.handler.label}.trim", self._every, settings.trim_interval, self._trim)
+
+    async def _fetchers_guarded(self, state: _PartitionState, name: str) -> None:
+        with self._fetch_scope:
+            await supervise(f"{name}.fetch", self._fetch_loop, state)
+
+    def stop_fetching(self) -> None:
+        """Stop reading new entries (graceful shutdown); in-flight work goes on."""
+        self._fetch_scope.cancel()
+
+    @property
+    def in_flight(self) -> int:
+        """Messages fetched and not yet settled."""
+        return sum(s.in_flight for s in self.states.values())
+
+    async def flush_acks(self) -> None:
+        """Send every buffered ack now."""
+        for state in self.states.values():
+            await self._flush(state)
+
+    @staticmethod
+    async def _every(interval: float, fn: Any, *args: Any) -> None:
+        while True:
+            await fn(*args)
+            await anyio.sleep(interval)
+
+    # -- fetching and dispatch ---------------------------------------------------------------------
+
+    async def _fetch_loop(self, state: _PartitionState) -> None:
+        broker = self.runtime.broker
+        consumer = self.runtime.consumer_name
+        prefetch = self.runtime.settings.prefetch
+        after: dict[str, str] = {}
+        while True:  # first our own pending entries: we are back after a crash or restart
+            deliveries = await broker.read_own_pending(state.view, consumer, prefetch, after)
+            fresh = [d for d in deliveries if d.entry_id not in state.held]
+            if not deliveries:
+                break
+            for d in deliveries:
+                after[d.stream] = d.entry_id
+            if fresh:
+                self._log.info("re-reading own pending entries", partition=state.view.partition, count=len(fresh))
+                await self._admit(state, fresh)
+        block = self.runtime.settings.block_ms
+        while True:
+            while state.in_flight > prefetch:
+                state.capacity = anyio.Event()
+                await state.capacity.wait()
+            deliveries = await broker.read(state.view, consumer, prefetch, block)
+            if deliveries:
+                await self._admit(state, deliveries)
+
+    async def _admit(self, state: _PartitionState, deliveries: list[Delivery]) -> None:
+        """Hold fetched deliveries, settle the ones that cannot run, queue the rest on lanes."""
+        handler = self.handler
+        decode = handler.decode
+        key_fn = handler.key
+        max_attempts = handler.retry.max_attempts
+        lanes = self.runtime.lanes
+        scope = self.scope
+        held = state.held
+        now = time.monotonic()
+        by_lane: dict[int, list[Work]] = {}
+        poison: list[tuple[Delivery, dict[str, str]]] = []
+        self.stats.fetched += len(deliveries)
+        for d in deliveries:
+            held[d.entry_id] = (d, now)
+        state.in_flight += len(deliveries)
+        for d in deliveries:
+            env = d.envelope
+            if env is None:
+                poison.append((d, poison_reason(handler, d, f"undecodable message: {d.error}")))
+                continue
+            if d.attempt > max_attempts:
+                poison.append((d, poison_reason(
+                    handler, d,
+                    f"delivered {d.attempt} times (max_attempts {max_attempts}) without completing: "
+                    "the worker crashed or stalled past the visibility timeout each time",
+                )))
+                continue
+            try:
+                payload = decode(env.body)
+                lane_key = key_fn(payload) if key_fn is not None else env.key
+            except PayloadError as exc:
+                poison.append((d, poison_reason(handler, d, f"invalid payload: {exc}")))
+                continue
+            except Exception as exc:
+                poison.append((d, poison_reason(handler, d, f"key function failed: {type(exc).__name__}: {exc}")))
+                continue
+            index = lanes.lane_for(scope, lane_key)
+            works = by_lane.get(index)
+            if works is None:
+                by_lane[index] = [(d, payload)]
+            else:
+                works.append((d, payload))
+        for d, reason in poison:
+            await self._dead_letter(state, d, reason)
+        lanes.submit(self, state, by_lane)
+
+    # -- processing (runs in lanes) -------------------------------------------------------------------
+
+    async def process(self, state: _PartitionState, works: Sequence[Work]) -> None:
+        """Run the handler for each work, in order; publish staged messages; queue acks."""
+        handler = self.handler
+        fn = handler.fn
+        takes_ctx = handler.takes_context
+        is_async = handler.is_async
+        policy = handler.retry
+        stats = self.stats
+        done: list[Delivery] = []
+        outgoing: list[Any] = []
+        started = time.perf_counter()
+        for d, payload in works:
+            attempt = d.attempt
+            while True:
+                ctx = Context(d, handler, attempt)
+                try:
+                    if is_async:
+                        if takes_ctx:
+                            await fn(payload, ctx)
+                        else:
+                            await fn(payload)
+                    else:
+                        call = functools.partial(fn, payload, ctx) if takes_ctx else functools.partial(fn, payload)
+                        await anyio.to_thread.run_sync(call, limiter=self.runtime.thread_limiter)
+                except Exception as exc:
+                    stats.failed += 1
+                    decision = policy.decide(attempt, exc)
+                    self._log_failure(d, attempt, exc, decision)
+                    if decision.action == "retry" or (decision.action == "delay" and policy.in_place):
+                        stats.retried += 1
+                        if decision.seconds:
+                            await anyio.sleep(decision.seconds)
+                        attempt += 1
+                        continue
+                    await self._settle_failure(state, d, attempt, exc, decision)
+                    break
+                else:
+                    if ctx._outgoing:
+                        outgoing += ctx._outgoing
+                    done.append(d)
+                    break
+        stats.handler_seconds += time.perf_counter() - started
+        if outgoing:
+            try:
+                await self.runtime.publish_outgoing(outgoing)
+            except Exception as exc:
+                self._log.error("could not publish staged messages; the batch will be redelivered",
+                                count=len(done), exc_info=exc)
+                self._forget(state, done)
+                return
+        stats.processed += len(done)
+        if done:
+            state.ack_buffer += done
+            state.ack_wakeup.set()
+
+    def abandon(self, state: _PartitionState, works: Sequence[Work]) -> None:
+        """Forget works after an internal error; they stay pending and are claimed again later."""
+        self._forget(state, [d for d, _ in works])
+
+    def _forget(self, state: _PartitionState, deliveries: Sequence[Delivery]) -> None:
+        for d in deliveries:
+            if state.held.pop(d.entry_id, None) is not None:
+                state.in_flight -= 1
+        state.capacity.set()
+
+    def _log_failure(self, d: Delivery, attempt: int, exc: BaseException, decision: Decision) -> None:
+        what = {"retry": "retrying now", "delay": f"retrying in {decision.seconds:.2f}s",
+                "dead": "moving to the dead-letter queue"}[decision.action]
+        self._log.warning(
+            f"handler failed; {what}",
+            message_id=d.message_id,
+            attempt=attempt,
+            max_attempts=self.handler.retry.max_attempts,
+            error=f"{type(exc).__name__}: {exc}",
+            exc_info=exc,
+        )
+
+    async def _settle_failure(
+        self, state: _PartitionState, d: Delivery, attempt: int, exc: BaseException, decision: Decision
+    ) -> None:
+        broker = self.runtime.broker
+        try:
+            if decision.action == "delay":
+                await broker.retry_later(d, now_ms() + int(decision.seconds * 1000), attempt=attempt)
+                self.stats.retried += 1
+            else:
+                await self._dead_letter(state, d, exception_reason(self.handler, d, attempt, exc, decision.reason),
+                                        forget=False)
+        except Exception as err:
+            self._log.error("could not settle a failed message; it stays pending and will be redelivered",
+                            message_id=d.message_id, exc_info=err)
+        self._forget(state, [d])
+
+    async def _dead_letter(self, state: _PartitionState, d: Delivery, reason: dict[str, str],
+                           *, forget: bool = True) -> None:
+        try:
+            entry = await self.runtime.broker.dead_letter(d, reason)
+        except Exception as err:
+            self._log.error("could not dead-letter a message; it stays pending", message_id=d.message_id, exc_info=err)
+        else:
+            if entry is not None:
+                self.stats.dead_lettered += 1
+                self._log.error("message dead-lettered", message_id=d.message_id, reason=reason.get("dlq-reason"),
+                                dlq_entry=entry)
+        if forget:
+            self._forget(state, [d])
+
+    # -- acks ----------------------------------------------------------------------------------------------
+
+    async def _ack_loop(self, state: _PartitionState) -> None:
+        interval = self.runtime.settings.ack_interval
+        while True:
+            await state.ack_wakeup.wait()
+            state.ack_wakeup = anyio.Event()
+            if len(state.ack_buffer) < 1000:
+                await anyio.sleep(interval)  # let more acks join this call
+            await self._flush(state)
+
+    async def _flush(self, state: _PartitionState) -> None:
+        if not state.ack_buffer:
+            return
+        batch, state.ack_buffer = state.ack_buffer, []
+        try:
+            await self.runtime.broker.ack(state.view, batch, inbox=False)
+        except BaseException:
+            state.ack_buffer[:0] = batch  # acks are idempotent: keep them for the next flush
+            raise
+        self._forget(state, batch)
+
+    # -- background duties ----------------------------------------------------------------------------------
+
+    async def _claim(self, state: _PartitionState) -> None:
+        if state.in_flight > self.runtime.settings.prefetch:
+            return
+        settings = self.runtime.settings
+        deliveries = await self.runtime.broker.claim_idle(
+            state.view, self.runtime.consumer_name, int(settings.visibility_timeout * 1000), settings.prefetch
+        )
+        fresh = [d for d in deliveries if d.entry_id not in state.held]
+        if fresh:
+            self._log.info("claimed entries idle past the visibility timeout", partition=state.view.partition,
+                           count=len(fresh))
+            await self._admit(state, fresh)
+
+    async def _extend(self, state: _PartitionState) -> None:
+        horizon = time.monotonic() - self.runtime.settings.extend_interval
+        old = [d for d, t in list(state.held.values()) if t < horizon]
+        if old:
+            owned = await self.runtime.broker.extend(state.view, self.runtime.consumer_name, old)
+            lost = len(old) - len(owned)
+            if lost:
+                self._log.warning("entries were claimed by another consumer while held here", count=lost)
+
+    async def _move_due(self, state: _PartitionState) -> None:
+        await self.runtime.broker.move_due(state.view, now_ms())
+
+    async def _trim(self) -> None:
+        spec = self.handler.destination.spec()
+        now = now_ms()
+        for p in range(spec.partitions):
+            await self.runtime.broker.trim(spec, p, now)

@@ -1,0 +1,134 @@
+"""The context a handler receives: the message's metadata and staged sends."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from datetime import datetime
+from typing import Any
+
+from broker import COMMAND, EVENT, Delivery, Envelope, derive_id
+from broker.headers import CAUSATION_ID, CORRELATION_ID
+from framework.messages import Outgoing, build_envelope
+from framework.service import Handler, Queue, Topic
+
+__all__ = ["Context"]
+
+
+class _Staged:
+    """Returned by send/publish: staging already happened, so awaiting it is optional."""
+
+    __slots__ = ("message_id",)
+
+    def __init__(self, message_id: str) -> None:
+        self.message_id = message_id
+
+    def __await__(self) -> Generator[Any, None, str]:
+        return self.message_id
+        yield  # pragma: no cover - makes this a generator
+
+
+class Context:
+    """Metadata of the message being handled, and ``send``/``publish`` for outgoing messages.
+
+    Outgoing messages are staged, and leave only after the handler returns successfully (before
+    the incoming message is acknowledged). Their ids derive from the incoming id and their
+    position, so a retried handler re-sends the same ids and downstream inboxes drop the copies.
+    ``send``/``publish`` work from sync and async handlers; ``await`` on them is optional.
+    """
+
+    __slots__ = ("_delivery", "_handler", "_outgoing", "attempt")
+
+    def __init__(self, delivery: Delivery, handler: Handler, attempt: int) -> None:
+        self._delivery = delivery
+        self._handler = handler
+        self._outgoing: list[Outgoing] = []
+        self.attempt = attempt
+        """This attempt's number (1 for the first), counting retries and crash redeliveries."""
+
+    @property
+    def envelope(self) -> Envelope:
+        """The incoming envelope."""
+        assert self._delivery.envelope is not None
+        return self._delivery.envelope
+
+    @property
+    def message_id(self) -> str:
+        """The incoming message's id."""
+        return self.envelope.id
+
+    @property
+    def destination(self) -> str:
+        """The queue or topic the message came from."""
+        return self.envelope.destination
+
+    @property
+    def partition(self) -> int:
+        """The partition it came from."""
+        return self._delivery.source.partition
+
+    @property
+    def key(self) -> str | None:
+        """The message's key, if it has one."""
+        return self.envelope.key
+
+    @property
+    def type(self) -> str:
+        """The payload type name recorded by the producer."""
+        return self.envelope.type
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """The message's headers (read-only view)."""
+        return self.envelope.headers
+
+    @property
+    def published_at(self) -> datetime:
+        """When the producer published it (UTC)."""
+        return self.envelope.published_datetime
+
+    @property
+    def delivery_count(self) -> int:
+        """How often the broker delivered this stream entry (raised by crashes and claims)."""
+        return self._delivery.delivery_count
+
+    @property
+    def service(self) -> str:
+        """The handling service's name."""
+        return self._handler.service
+
+    @property
+    def handler(self) -> str:
+        """The handler's name."""
+        return self._handler.name
+
+    @property
+    def correlation_id(self) -> str:
+        """The conversation's id: the first message's id, carried along by every hop."""
+        return self.envelope.headers.get(CORRELATION_ID) or self.envelope.id
+
+    @property
+    def outgoing(self) -> list[Outgoing]:
+        """Messages staged so far (sent after the handler succeeds)."""
+        return self._outgoing
+
+    def _stage(self, kind: str, destination: str | Queue | Topic, payload: Any, key: str | None,
+               headers: Mapping[str, str] | None, type: str | None) -> _Staged:
+        env = self.envelope
+        hdrs = {CORRELATION_ID: self.correlation_id, CAUSATION_ID: env.id}
+        if headers:
+            hdrs.update(headers)
+        message_id = derive_id(env.id, f"{self._handler.service}/{len(self._outgoing)}")
+        out = build_envelope(destination, kind, payload, key=key, headers=hdrs, type=type,  # type: ignore[arg-type]
+                             message_id=message_id)
+        self._outgoing.append(out)
+        return _Staged(message_id)
+
+    def send(self, queue: str | Queue, command: Any, *, key: str | None = None,
+             headers: Mapping[str, str] | None = None, type: str | None = None) -> _Staged:
+        """Stage a command for ``queue``; it is sent only if this handler succeeds."""
+        return self._stage(COMMAND, queue, command, key, headers, type)
+
+    def publish(self, topic: str | Topic, event: Any, *, key: str | None = None,
+                headers: Mapping[str, str] | None = None, type: str | None = None) -> _Staged:
+        """Stage an event for ``topic``; it is published only if this handler succeeds."""
+        return self._stage(EVENT, topic, event, key, headers, type)

@@ -1,0 +1,51 @@
+"""Structured logs (structlog): key/value lines on a terminal, JSON lines elsewhere.
+
+Every record about a message carries ``message_id``, ``service``, ``handler`` and ``attempt``.
+``FRAMEWORK_LOG_LEVEL`` (default ``info``) and ``FRAMEWORK_LOG_FORMAT`` (``console`` or ``json``)
+choose the level and format; :func:`configure_logging` is called by the CLI, not on import, so
+applications embedding the framework keep their own structlog configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+__all__ = ["configure_logging", "get_logger"]
+
+
+def get_logger(name: str = "framework") -> structlog.typing.FilteringBoundLogger:
+    """A structlog logger bound to ``logger=name``."""
+    return structlog.get_logger(name).bind(logger=name)  # type: ignore[no-any-return]
+
+
+def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
+    """Configure structlog for a process run by the CLI."""
+    level_name = (level or os.environ.get("FRAMEWORK_LOG_LEVEL") or "info").upper()
+    numeric = logging.getLevelName(level_name)
+    if not isinstance(numeric, int):
+        numeric = logging.INFO
+    fmt = fmt or os.environ.get("FRAMEWORK_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
+    renderer: structlog.typing.Processor
+    if fmt == "json":
+        renderer = structlog.processors.JSONRenderer()
+        exc = [structlog.processors.dict_tracebacks]
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        exc = []
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *exc,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)

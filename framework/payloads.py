@@ -1,0 +1,128 @@
+"""Payloads: typed Python values <-> message bodies (orjson JSON; attrs classes through cattrs).
+
+A handler declares the type it wants (an attrs class, a dataclass, ``dict``, ``list``, ``bytes``,
+``str`` or any type cattrs can structure); the body is decoded and structured into it before the
+handler runs. A body that is not JSON or does not fit the type raises :class:`PayloadError`
+whose message names the field, which sends the message to the dead-letter queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import cattrs
+import orjson
+from cattrs.preconf.orjson import make_converter
+
+__all__ = [
+    "JSON_CONTENT_TYPE",
+    "RAW_CONTENT_TYPE",
+    "PayloadError",
+    "converter",
+    "decoder_for",
+    "encode_payload",
+    "type_name",
+]
+
+JSON_CONTENT_TYPE = "application/json"
+RAW_CONTENT_TYPE = "application/octet-stream"
+
+converter: cattrs.Converter = make_converter(forbid_extra_keys=False)
+"""The converter used for every payload; register hooks on it for custom types."""
+
+
+def _strict(tp: type, accepts: tuple[type, ...], rejects: tuple[type, ...] = ()) -> None:
+    """Refuse silent coercion (cattrs would turn 5 into "5"): a payments payload must be exact."""
+
+    def hook(value: Any, _: Any) -> Any:
+        if isinstance(value, accepts) and not isinstance(value, rejects):
+            return value if tp is not float else float(value)
+        raise ValueError(f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
+
+    converter.register_structure_hook(tp, hook)
+
+
+_strict(str, (str,))
+_strict(int, (int,), (bool,))
+_strict(float, (int, float), (bool,))
+_strict(bool, (bool,))
+
+
+class PayloadError(ValueError):
+    """A message body is not valid JSON or does not match the handler's payload type."""
+
+
+def type_name(payload: Any) -> str:
+    """The ``type`` recorded in an envelope: ``__message_type__`` if the class sets it, else its name."""
+    cls = type(payload)
+    name = getattr(cls, "__message_type__", None)
+    if isinstance(name, str):
+        return name
+    if cls is dict:
+        return "json"
+    if cls in (bytes, bytearray, memoryview):
+        return "bytes"
+    return cls.__name__
+
+
+def encode_payload(payload: Any) -> tuple[bytes, str]:
+    """Body bytes and content type of ``payload``; bytes pass through untouched."""
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload), RAW_CONTENT_TYPE
+    if isinstance(payload, dict | list | str | int | float | bool) or payload is None:
+        return orjson.dumps(payload), JSON_CONTENT_TYPE
+    try:
+        return orjson.dumps(converter.unstructure(payload)), JSON_CONTENT_TYPE
+    except TypeError as exc:
+        raise TypeError(f"cannot encode a {type(payload).__name__} payload as JSON: {exc}") from None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, cattrs.BaseValidationError):
+        return "; ".join(cattrs.transform_error(exc, path="payload"))
+    return f"{type(exc).__name__}: {exc}"
+
+
+def decoder_for(tp: Any) -> Callable[[bytes], Any]:
+    """A function turning a body into ``tp``, raising :class:`PayloadError` with the reason.
+
+    Raises ``TypeError`` at once if cattrs cannot structure ``tp`` at all, so a handler with an
+    unusable payload type fails at registration, not at its first message.
+    """
+    if tp is bytes:
+        return bytes
+    if tp is Any or tp is object:
+
+        def decode_any(body: bytes) -> Any:
+            try:
+                return orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                raise PayloadError(f"body is not JSON: {exc}") from None
+
+        return decode_any
+    is_class = isinstance(tp, type)
+    if is_class and not (attrs.has(tp) or dataclasses.is_dataclass(tp)) and tp not in (
+        dict, list, str, int, float, bool, dt.datetime, dt.date, uuid.UUID
+    ):
+        raise TypeError(
+            f"payload type {tp.__name__} is not supported: use an attrs class, a dataclass, dict, list, "
+            "bytes, str or a type registered on framework.payloads.converter"
+        )
+    hook = converter.get_structure_hook(tp)
+
+    def decode(body: bytes) -> Any:
+        try:
+            raw = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise PayloadError(f"body is not JSON: {exc}") from None
+        try:
+            return hook(raw, tp)
+        except Exception as exc:
+            raise PayloadError(f"payload does not match {getattr(tp, '__name__', tp)}: {_describe(exc)}") from None
+
+    return decode

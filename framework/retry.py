@@ -1,0 +1,100 @@
+"""Retry policy: immediate attempts, then delayed ones with exponential backoff and full jitter.
+
+Attempts are numbered from 1 (the first delivery). After a failed attempt ``n``:
+
+* a fatal exception (listed in ``fatal``, or not an instance of ``retry_on``) dead-letters at once;
+* if ``n >= max_attempts`` the message is dead-lettered;
+* if ``n <= immediate`` the handler runs again at once, in its lane;
+* otherwise it is retried after ``delay(n)``: through the group's retry path (the message is
+  acknowledged and parked in a sorted set, so the lane moves on and later messages with the same
+  key may run first), or in place when ``in_place`` is set (the lane sleeps and retries, so per-key
+  order holds but the lane is blocked meanwhile).
+
+A handler may raise :class:`RetryAfter` to choose the delay itself (a rate-limited API said
+"retry after 30 s"); it still counts as an attempt.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Literal
+
+import attrs
+
+__all__ = ["Decision", "RetryAfter", "RetryPolicy"]
+
+
+class RetryAfter(Exception):  # noqa: N818 - reads as an instruction: raise RetryAfter(30)
+    """Raise from a handler to be retried after ``seconds`` (counts as an attempt)."""
+
+    def __init__(self, seconds: float, reason: str = "") -> None:
+        super().__init__(reason or f"retry requested after {seconds:g}s")
+        self.seconds = float(seconds)
+
+
+@attrs.frozen
+class Decision:
+    """What to do after a failed attempt: ``retry`` now, ``delay`` for ``seconds``, or ``dead``."""
+
+    action: Literal["retry", "delay", "dead"]
+    seconds: float = 0.0
+    reason: str = ""
+
+
+def _exception_types(value: object) -> tuple[type[BaseException], ...]:
+    if isinstance(value, type):
+        value = (value,)
+    types = tuple(value)  # type: ignore[arg-type]
+    for t in types:
+        if not (isinstance(t, type) and issubclass(t, BaseException)):
+            raise TypeError(f"expected exception types, got {t!r}")
+    return types
+
+
+@attrs.frozen
+class RetryPolicy:
+    """How a failing handler is retried; see the module docstring for the exact rules."""
+
+    max_attempts: int = attrs.field(default=5)
+    immediate: int = 1
+    backoff: float = 1.0
+    multiplier: float = 2.0
+    max_delay: float = 300.0
+    jitter: bool = True
+    fatal: tuple[type[BaseException], ...] = attrs.field(default=(), converter=_exception_types)
+    retry_on: tuple[type[BaseException], ...] = attrs.field(default=(Exception,), converter=_exception_types)
+    in_place: bool = False
+
+    @max_attempts.validator
+    def _check(self, _attribute: object, value: int) -> None:
+        if value < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if self.immediate < 0 or self.backoff < 0 or self.max_delay < 0 or self.multiplier < 1:
+            raise ValueError("immediate, backoff and max_delay must be >= 0 and multiplier >= 1")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (a delayed one): full-jitter backoff."""
+        step = max(attempt - self.immediate, 1)
+        cap = min(self.max_delay, self.backoff * self.multiplier ** (step - 1))
+        return random.uniform(0, cap) if self.jitter else cap
+
+    def is_fatal(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is never retried."""
+        if isinstance(exc, RetryAfter):
+            return False
+        return isinstance(exc, self.fatal) or not isinstance(exc, self.retry_on)
+
+    def decide(self, attempt: int, exc: BaseException) -> Decision:
+        """The decision after attempt ``attempt`` failed with ``exc``."""
+        if self.is_fatal(exc):
+            return Decision("dead", reason=f"fatal error {type(exc).__name__}")
+        if attempt >= self.max_attempts:
+            return Decision("dead", reason=f"failed {attempt} of {self.max_attempts} attempts")
+        if isinstance(exc, RetryAfter):
+            return Decision("delay", exc.seconds)
+        if attempt <= self.immediate:
+            return Decision("retry")
+        return Decision("delay", self.delay(attempt))
+
+
+DEFAULT_RETRY = RetryPolicy()

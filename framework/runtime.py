@@ -1,0 +1,188 @@
+"""The runtime: the root of a worker process's actor tree, and its graceful shutdown.
+
+Tree: ``Runtime`` (root task group) owns the :class:`~framework.lanes.LanePool` (``concurrency``
+lanes shared by every handler, the process's global bound) and one
+:class:`~framework.consumer.Consumer` per handler, each owning its fetchers, ack flusher,
+claimer, extender, retry mover and trimmer. Crashed actors restart with backoff (see
+:mod:`framework.supervisor`).
+
+Shutdown (:meth:`Runtime.stop`, SIGTERM/SIGINT from the CLI): stop fetching, let in-flight handlers
+finish within ``shutdown_timeout``, flush acks, close. Whatever is left unacknowledged stays
+pending and is delivered again (to this consumer when it restarts, or claimed by another).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from broker import DestinationSpec, RedisBroker, connect
+from broker.inspect import group_state
+from framework.consumer import Consumer
+from framework.identity import ConsumerIdentity
+from framework.lanes import LanePool
+from framework.logs import get_logger
+from framework.messages import Outgoing
+from framework.service import HandlerError, Service
+from framework.settings import RuntimeSettings
+
+__all__ = ["Runtime"]
+
+log = get_logger("framework.runtime")
+
+
+class Runtime:
+    """Runs services' handlers in this process until stopped."""
+
+    def __init__(
+        self,
+        services: Sequence[Service],
+        *,
+        broker: RedisBroker | None = None,
+        url: str | None = None,
+        namespace: str | None = None,
+        settings: RuntimeSettings | None = None,
+    ) -> None:
+        if not services:
+            raise HandlerError("no services to run")
+        names = [s.name for s in services]
+        if len(set(names)) != len(names):
+            raise HandlerError(f"a service is listed twice: {names}")
+        for s in services:
+            if not s.handlers:
+                raise HandlerError(
+                    f"service {s.name!r} has no handlers: declare some with @{s.name}.command(...) or .event(...)"
+                )
+        self.services = list(services)
+        self.settings = settings or RuntimeSettings()
+        self._broker = broker
+        self._owns_broker = broker is None
+        self._url = url
+        self._namespace = namespace
+        self.consumers: list[Consumer] = []
+        self.consumer_name = ""
+        self._declared: set[str] = set()
+        self._stop: anyio.Event | None = None
+        self._stopping = False
+        self.started = False
+
+    @property
+    def broker(self) -> RedisBroker:
+        """The connected broker (available once :meth:`run` has started)."""
+        if self._broker is None:
+            raise RuntimeError("the runtime has not started")
+        return self._broker
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[Runtime] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Connect, subscribe, process until :meth:`stop`, then shut down gracefully."""
+        self._stop = anyio.Event()
+        if self._stopping:
+            self._stop.set()
+        if self._broker is None:
+            self._broker = await connect(self._url, namespace=self._namespace)
+        identity = ConsumerIdentity(self.broker.namespace, self.settings.consumer)
+        self.consumer_name = identity.name
+        try:
+            self.lanes = LanePool(self.settings.concurrency)
+            self.thread_limiter = anyio.CapacityLimiter(self.settings.concurrency)
+            self.consumers = []
+            for service in self.services:
+                for handler in service.handlers:
+                    views = await self.broker.subscribe(handler.spec, service.name, handler.start)
+                    self.consumers.append(Consumer(self, handler, views, scope=len(self.consumers)))
+            log.info(
+                "runtime started",
+                services=[s.name for s in self.services],
+                handlers=len(self.consumers),
+                consumer=self.consumer_name,
+                broker=self.broker.url,
+                namespace=self.broker.namespace,
+                concurrency=self.settings.concurrency,
+                prefetch=self.settings.prefetch,
+            )
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.lanes.run)
+                for consumer in self.consumers:
+                    tg.start_soon(consumer.run)
+                self.started = True
+                task_status.started(self)
+                await self._stop.wait()
+                await self._shutdown()
+                tg.cancel_scope.cancel()
+        finally:
+            identity.release()
+            if self._owns_broker and self._broker is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._broker.close()
+                self._broker = None
+
+    def stop(self) -> None:
+        """Ask for a graceful shutdown (idempotent; returns at once)."""
+        self._stopping = True
+        if self._stop is not None:
+            self._stop.set()
+
+    async def _shutdown(self) -> None:
+        started = time.monotonic()
+        for consumer in self.consumers:
+            consumer.stop_fetching()
+        in_flight = sum(c.in_flight for c in self.consumers)
+        log.info("shutting down: fetching stopped, finishing in-flight handlers", in_flight=in_flight)
+        with anyio.move_on_after(self.settings.shutdown_timeout) as scope:
+            await self.lanes.wait_idle()
+        if scope.cancelled_caught:
+            left = sum(c.in_flight for c in self.consumers)
+            log.warning("shutdown timeout: unfinished messages will be redelivered", unfinished=left)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            for consumer in self.consumers:
+                await consumer.flush_acks()
+        log.info("runtime stopped", seconds=round(time.monotonic() - started, 3),
+                 processed=sum(c.stats.processed for c in self.consumers))
+
+    async def publish_outgoing(self, outgoing: Sequence[Outgoing]) -> None:
+        """Publish messages staged by handlers (declaring Queue/Topic objects on first use)."""
+        for env, spec in outgoing:
+            if spec is not None and spec.name not in self._declared:
+                await self.broker.declare(spec)
+                self._declared.add(spec.name)
+        await self.broker.publish([env for env, _ in outgoing])
+
+    # -- observation, mostly for tests and `framework.testing` ---------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Messages fetched by this process and not yet settled."""
+        return sum(c.in_flight for c in self.consumers)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters per handler (``service.handler`` -> counters)."""
+        import attrs
+
+        return {c.handler.label: attrs.asdict(c.stats) for c in self.consumers}
+
+    async def is_idle(self, *, include_delayed: bool = True) -> bool:
+        """True when nothing is in flight here and every group of ours has nothing left to deliver."""
+        if self.lanes.busy or self.in_flight:
+            return False
+        for consumer in self.consumers:
+            for state in consumer.states.values():
+                g = await group_state(self.broker, state.view)
+                if not g.idle or (include_delayed and g.delayed):
+                    return False
+        return True
+
+    async def wait_idle(self, *, timeout: float = 30.0, include_delayed: bool = True, poll: float = 0.02) -> None:
+        """Wait until :meth:`is_idle` holds twice in a row; raise TimeoutError after ``timeout``."""
+        with anyio.fail_after(timeout):
+            streak = 0
+            while streak < 2:
+                streak = streak + 1 if await self.is_idle(include_delayed=include_delayed) else 0
+                await anyio.sleep(poll)
+
+    def declared(self) -> list[DestinationSpec]:
+        """Specs of the destinations this runtime consumes."""
+        return [h.spec for s in self.services for h in s.handlers]

@@ -1,0 +1,226 @@
+"""Services and their handlers: the decorators teams write services with.
+
+A :class:`Service` is a consumer group: every instance of it shares the work. Its handlers are
+declared with :meth:`Service.command` (a queue: each message handled by one instance of the one
+owning service) and :meth:`Service.event` (a topic: every subscribing service gets each event).
+Handler signatures are checked when declared, so a mistake fails at import with the handler's name.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import attrs
+
+from broker import COMMAND, DEFAULT_RETENTION_MS, EVENT, DestinationSpec, Start, validate_name
+from framework.payloads import decoder_for
+from framework.retry import DEFAULT_RETRY, RetryPolicy
+
+__all__ = ["Handler", "HandlerError", "Queue", "Service", "Topic"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class HandlerError(TypeError):
+    """A handler or service is declared wrongly; the message names it and says what to change."""
+
+
+def _ms(value: timedelta | float | None) -> int | None:
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    return int(seconds * 1000)
+
+
+@attrs.frozen
+class Queue:
+    """A queue of commands: one stream per partition, one consumer group (its owning service)."""
+
+    name: str
+    partitions: int = 1
+
+    def spec(self) -> DestinationSpec:
+        """The broker-level description."""
+        return DestinationSpec(self.name, COMMAND, self.partitions, retention_ms=None)
+
+
+@attrs.frozen
+class Topic:
+    """A topic of events: retained for ``retention`` (seconds or timedelta) and/or ``max_length``."""
+
+    name: str
+    partitions: int = 1
+    retention: timedelta | float | None = timedelta(milliseconds=DEFAULT_RETENTION_MS)
+    max_length: int | None = None
+
+    def spec(self) -> DestinationSpec:
+        """The broker-level description."""
+        return DestinationSpec(self.name, EVENT, self.partitions, _ms(self.retention), self.max_length)
+
+
+@attrs.define(eq=False)
+class Handler:
+    """A registered handler and everything the runtime needs to call it."""
+
+    service: str
+    name: str
+    destination: Queue | Topic
+    fn: Callable[..., Any]
+    is_async: bool
+    takes_context: bool
+    payload_type: Any
+    decode: Callable[[bytes], Any]
+    key: Callable[[Any], str] | None
+    retry: RetryPolicy
+    start: Start
+    inbox: bool
+
+    @property
+    def spec(self) -> DestinationSpec:
+        """The destination's broker spec."""
+        return self.destination.spec()
+
+    @property
+    def label(self) -> str:
+        """``service.handler`` for logs and dead letters."""
+        return f"{self.service}.{self.name}"
+
+
+def _inspect(fn: Callable[..., Any], where: str) -> tuple[bool, bool, Any]:
+    if not callable(fn):
+        raise HandlerError(f"{where}: {fn!r} is not callable")
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    is_async = inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
+        getattr(target, "__call__", None)  # noqa: B004 - async callable objects
+    )
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise HandlerError(f"{where}: cannot read its signature ({exc})") from None
+    params = [
+        p for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    extra = [p for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    if not 1 <= len(params) <= 2 or extra:
+        raise HandlerError(
+            f"{where}: a handler takes (payload) or (payload, ctx), but its signature is {sig}"
+        )
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception as exc:
+        raise HandlerError(f"{where}: cannot resolve its type hints ({exc})") from None
+    payload_type = hints.get(params[0].name, Any)
+    return is_async, len(params) == 2, payload_type
+
+
+class Service:
+    """A named service: a consumer group whose instances share its handlers' messages.
+
+    ``retry`` is the default policy of its handlers; ``inbox`` (on by default) drops duplicate
+    deliveries of a message the service already processed.
+    """
+
+    def __init__(self, name: str, *, retry: RetryPolicy | None = None, inbox: bool = True) -> None:
+        try:
+            self.name = validate_name("service", name)
+        except Exception as exc:
+            raise HandlerError(str(exc)) from None
+        self.retry = retry or DEFAULT_RETRY
+        self.inbox = inbox
+        self.handlers: list[Handler] = []
+
+    def __repr__(self) -> str:
+        return f"Service({self.name!r}, handlers={[h.destination.name for h in self.handlers]})"
+
+    def command(
+        self,
+        queue: str | Queue,
+        *,
+        retry: RetryPolicy | None = None,
+        key: Callable[[Any], str] | None = None,
+        inbox: bool | None = None,
+    ) -> Callable[[F], F]:
+        """Declare the handler of the commands sent to ``queue``."""
+        dest = queue if isinstance(queue, Queue) else Queue(queue)
+        if isinstance(queue, Topic):
+            raise HandlerError(f"{self.name}: {queue.name!r} is a Topic; use @service.event for topics")
+        return self._register(dest, retry, key, "earliest", inbox)
+
+    def event(
+        self,
+        topic: str | Topic,
+        *,
+        retry: RetryPolicy | None = None,
+        key: Callable[[Any], str] | None = None,
+        start: Start = "earliest",
+        inbox: bool | None = None,
+    ) -> Callable[[F], F]:
+        """Declare a handler of the events published to ``topic``.
+
+        ``key`` computes the ordering key from the payload (default: the message's key); messages
+        with one key run one at a time, in order. ``start`` applies when this service first
+        subscribes: ``earliest`` processes the topic's retained history, ``latest`` only new events.
+        """
+        if isinstance(topic, Queue):
+            raise HandlerError(f"{self.name}: {topic.name!r} is a Queue; use @service.command for queues")
+        if start not in ("earliest", "latest"):
+            raise HandlerError(f"{self.name}: start must be 'earliest' or 'latest', not {start!r}")
+        dest = topic if isinstance(topic, Topic) else Topic(topic)
+        return self._register(dest, retry, key, start, inbox)
+
+    def _register(
+        self,
+        dest: Queue | Topic,
+        retry: RetryPolicy | None,
+        key: Callable[[Any], str] | None,
+        start: Start,
+        inbox: bool | None,
+    ) -> Callable[[F], F]:
+        try:
+            dest.spec()
+        except Exception as exc:
+            raise HandlerError(f"{self.name}: {exc}") from None
+        if key is not None and not callable(key):
+            raise HandlerError(f"{self.name}: key= must be a function of the payload, got {key!r}")
+
+        def decorator(fn: F) -> F:
+            name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+            where = f"handler {self.name}.{name} for {dest.name!r}"
+            for existing in self.handlers:
+                if existing.destination.name == dest.name:
+                    raise HandlerError(
+                        f"{where}: service {self.name!r} already handles {dest.name!r} with {existing.name}; "
+                        "one service has one handler per destination"
+                    )
+            is_async, takes_ctx, payload_type = _inspect(fn, where)
+            try:
+                decode = decoder_for(payload_type)
+            except TypeError as exc:
+                raise HandlerError(f"{where}: {exc}") from None
+            self.handlers.append(
+                Handler(
+                    service=self.name,
+                    name=name,
+                    destination=dest,
+                    fn=fn,
+                    is_async=is_async,
+                    takes_context=takes_ctx,
+                    payload_type=payload_type,
+                    decode=decode,
+                    key=key,
+                    retry=retry or self.retry,
+                    start=start,
+                    inbox=self.inbox if inbox is None else inbox,
+                )
+            )
+            return fn
+
+        return decorator
