@@ -72,7 +72,8 @@ async def connect(
             if explicit
             else "The embedded Valkey did not answer: see `framework server status` and its valkey.log."
         )
-        raise BrokerUnavailable(f"cannot reach the broker at {redact(resolved)}: {str(exc).rstrip('.')}. {hint}") from exc
+        reason = str(exc).rstrip(".")
+        raise BrokerUnavailable(f"cannot reach the broker at {redact(resolved)}: {reason}. {hint}") from exc
     ns = namespace or default_namespace()
     if info.get("cluster_enabled") in (1, "1"):
         await client.aclose()

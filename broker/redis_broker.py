@@ -349,7 +349,8 @@ class RedisBroker:
 
     async def move_due(self, source: GroupPartition, now_ms: int, limit: int = 500) -> int:
         """Move due delayed retries of the group to its redeliver stream."""
-        return int(await self.scripts["move_due"](self.redis, [source.keys.delayed, source.keys.redeliver], [now_ms, limit]))
+        keys = [source.keys.delayed, source.keys.redeliver]
+        return int(await self.scripts["move_due"](self.redis, keys, [now_ms, limit]))
 
     # -- retention -----------------------------------------------------------------------------
 

@@ -83,6 +83,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from framework.runtime import Runtime
     from framework.settings import RuntimeSettings
 
+    early: list[int] = []  # a signal that arrives while we import and connect still stops us gracefully
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda n, _frame: early.append(n))
     services = load_services(args.targets)
     settings = RuntimeSettings(
         concurrency=args.concurrency,
@@ -96,6 +99,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     async def watch_signals(scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            if early:
+                log.info("signal received during start-up: shutting down gracefully")
+                runtime.stop()
             async for signum in signals:
                 if runtime._stopping:
                     log.warning("second signal: exiting now; unacknowledged messages will be redelivered")

@@ -75,7 +75,8 @@ class Consumer:
         self.scope = scope  # distinguishes this consumer's keys in the shared lanes
         self.states = {v.partition: _PartitionState(v) for v in views}
         self.stats = ConsumerStats()
-        self._fetch_scope = anyio.CancelScope()
+        self._fetch_scopes: list[anyio.CancelScope] = []
+        self._fetching = True
         self._log = log.bind(service=handler.service, handler=handler.name, destination=handler.destination.name)
 
     # -- actor tree ------------------------------------------------------------------------------
@@ -95,12 +96,17 @@ class Consumer:
                 tg.start_soon(supervise, f"{self.handler.label}.trim", self._every, settings.trim_interval, self._trim)
 
     async def _fetchers_guarded(self, state: _PartitionState, name: str) -> None:
-        with self._fetch_scope:
+        with anyio.CancelScope() as scope:
+            self._fetch_scopes.append(scope)
+            if not self._fetching:
+                scope.cancel()
             await supervise(f"{name}.fetch", self._fetch_loop, state)
 
     def stop_fetching(self) -> None:
         """Stop reading new entries (graceful shutdown); in-flight work goes on."""
-        self._fetch_scope.cancel()
+        self._fetching = False
+        for scope in self._fetch_scopes:
+            scope.cancel()
 
     @property
     def in_flight(self) -> int:

@@ -18,8 +18,8 @@ __all__ = ["configure_logging", "get_logger"]
 
 
 def get_logger(name: str = "framework") -> structlog.typing.FilteringBoundLogger:
-    """A structlog logger bound to ``logger=name``."""
-    return structlog.get_logger(name).bind(logger=name)  # type: ignore[no-any-return]
+    """A structlog logger bound to ``name=name`` (lazy: configuration applies on first use)."""
+    return structlog.get_logger(name=name)  # type: ignore[no-any-return]
 
 
 def configure_logging(level: str | None = None, fmt: str | None = None) -> None:

@@ -24,7 +24,7 @@ import attrs
 __all__ = ["Decision", "RetryAfter", "RetryPolicy"]
 
 
-class RetryAfter(Exception):  # noqa: N818 - reads as an instruction: raise RetryAfter(30)
+class RetryAfter(Exception):
     """Raise from a handler to be retried after ``seconds`` (counts as an attempt)."""
 
     def __init__(self, seconds: float, reason: str = "") -> None:

@@ -145,7 +145,7 @@ class Runtime:
 
     async def publish_outgoing(self, outgoing: Sequence[Outgoing]) -> None:
         """Publish messages staged by handlers (declaring Queue/Topic objects on first use)."""
-        for env, spec in outgoing:
+        for _, spec in outgoing:
             if spec is not None and spec.name not in self._declared:
                 await self.broker.declare(spec)
                 self._declared.add(spec.name)

@@ -192,7 +192,7 @@ class Service:
             raise HandlerError(f"{self.name}: key= must be a function of the payload, got {key!r}")
 
         def decorator(fn: F) -> F:
-            name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+            name = getattr(fn, "__name__", None) or type(fn).__name__
             where = f"handler {self.name}.{name} for {dest.name!r}"
             for existing in self.handlers:
                 if existing.destination.name == dest.name:

@@ -1,0 +1,40 @@
+"""Services run as real worker processes by the fault tests.
+
+Each handler records what it did in Redis under the test's namespace, so the test can count
+lost and duplicated messages after killing workers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+
+from framework import Context, Queue, RetryPolicy, Service, Topic
+
+NS = os.environ.get("FRAMEWORK_NAMESPACE", "fw")
+_redis = redis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+SLEEP = float(os.environ.get("JOB_SLEEP", "0.001"))
+
+worker = Service("worker", retry=RetryPolicy(max_attempts=3, immediate=0, backoff=0.05))
+
+
+@worker.command(Queue("jobs", partitions=2))
+def job(cmd: dict, ctx: Context) -> None:
+    """Records each processing of a job; a job named 'crash' kills its process every time."""
+    if cmd["n"] == "crash":
+        _redis.hincrby(f"{NS}:test:crashes", "crash", 1)
+        os._exit(17)
+    time.sleep(SLEEP)
+    _redis.hincrby(f"{NS}:test:done", cmd["n"], 1)
+
+
+auditor = Service("auditor")
+
+
+@auditor.event(Topic("ledger", partitions=2))
+def audit(event: dict, ctx: Context) -> None:
+    """Records each event per key, in the order it ran."""
+    time.sleep(SLEEP)
+    _redis.rpush(f"{NS}:test:order:{ctx.key}", event["seq"])

@@ -1,0 +1,61 @@
+"""Shared fixtures: a real broker for the session (embedded Valkey unless REDIS_URL is set).
+
+``framework_redis_url`` and ``framework_namespace`` come from the framework's own pytest plugin
+(``framework.testing``); the names below are short aliases used throughout the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from broker import RedisBroker, connect
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def redis_url(framework_redis_url: str) -> str:
+    return framework_redis_url
+
+
+@pytest.fixture
+def namespace(framework_namespace: str) -> str:
+    return framework_namespace
+
+
+@pytest.fixture
+async def broker(redis_url: str, namespace: str) -> AsyncIterator[RedisBroker]:
+    b = await connect(redis_url, namespace=namespace)
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+def worker_env(redis_url: str, namespace: str, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Environment for worker subprocesses: same server and namespace, test modules importable."""
+    env = dict(os.environ)
+    env.update(
+        REDIS_URL=redis_url,
+        FRAMEWORK_NAMESPACE=namespace,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "apps"), str(ROOT), env.get("PYTHONPATH", "")]),
+        FRAMEWORK_LOG_FORMAT="json",
+    )
+    yield env
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m framework ARGS`` and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "framework", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )

@@ -1,0 +1,224 @@
+"""The Broker contract (broker/protocol.py), checked against the real server.
+
+Written against the ``Broker`` protocol so another transport can be run through the same module.
+"""
+
+from __future__ import annotations
+
+import anyio
+import orjson
+import pytest
+
+from broker import ConfigurationError, DestinationSpec, Envelope, RedisBroker, now_ms
+
+pytestmark = pytest.mark.anyio
+
+
+def event(topic: str, n: int, key: str | None = None) -> Envelope:
+    return Envelope(destination=topic, kind="event", type="T", body=orjson.dumps({"n": n}), key=key)
+
+
+def command(queue: str, n: int, key: str | None = None) -> Envelope:
+    return Envelope(destination=queue, kind="command", type="C", body=orjson.dumps({"n": n}), key=key)
+
+
+def numbers(deliveries: list) -> list[int]:
+    return [orjson.loads(d.envelope.body)["n"] for d in deliveries]
+
+
+async def test_publish_then_read_in_order_with_envelope_intact(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("orders.placed", "event"))
+    [view] = await broker.subscribe(spec, "billing")
+    sent = [event("orders.placed", i, key="k") for i in range(5)]
+    sent[0].headers["traceparent"] = "00-abc-def-01"
+    ids = await broker.publish(sent)
+    assert all(ids)
+    got = await broker.read(view, "c1", 10, 100)
+    assert numbers(got) == [0, 1, 2, 3, 4]
+    first = got[0].envelope
+    assert (first.id, first.key, first.type, first.headers, first.published_at) == (
+        sent[0].id, "k", "T", {"traceparent": "00-abc-def-01"}, sent[0].published_at)
+    assert got[0].delivery_count == 1 and got[0].attempt == 1
+
+
+async def test_each_group_of_a_topic_gets_every_event(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("orders.placed", "event", partitions=3))
+    groups = {g: await broker.subscribe(spec, g) for g in ("billing", "shipping")}
+    await broker.publish([event("orders.placed", i, key=f"k{i}") for i in range(30)])
+    for views in groups.values():
+        got = [d for v in views for d in await broker.read(v, "c", 100, 10)]
+        assert sorted(numbers(got)) == list(range(30))
+
+
+async def test_same_key_lands_in_one_partition_in_order(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("orders.placed", "event", partitions=4))
+    views = await broker.subscribe(spec, "billing")
+    await broker.publish([event("orders.placed", i, key="same") for i in range(20)])
+    per_partition = [numbers(await broker.read(v, "c", 100, 10)) for v in views]
+    assert sorted(per_partition, key=len)[-1] == list(range(20))
+    assert sum(len(p) for p in per_partition) == 20
+
+
+async def test_queue_entry_goes_to_one_consumer_and_is_deleted_on_ack(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+    [view] = await broker.subscribe(spec, "billing")
+    await broker.publish([command("billing.refund", i) for i in range(10)])
+    a = await broker.read(view, "a", 6, 10)
+    b = await broker.read(view, "b", 6, 10)
+    assert sorted(numbers(a) + numbers(b)) == list(range(10))
+    assert not set(numbers(a)) & set(numbers(b))
+    assert await broker.ack(view, a + b) == 10
+    assert await broker.redis.xlen(view.stream) == 0
+
+
+async def test_a_queue_has_one_owning_service(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+    await broker.subscribe(spec, "billing")
+    with pytest.raises(ConfigurationError, match="one owning service"):
+        await broker.subscribe(spec, "shipping")
+
+
+async def test_declaring_a_conflicting_destination_is_a_clear_error(broker: RedisBroker) -> None:
+    await broker.declare(DestinationSpec("orders.placed", "event", partitions=2))
+    with pytest.raises(ConfigurationError, match="2 partition"):
+        await broker.declare(DestinationSpec("orders.placed", "event", partitions=3))
+    with pytest.raises(ConfigurationError, match="topic"):
+        await broker.publish([command("orders.placed", 1)])
+
+
+async def test_unacked_entries_are_reread_by_their_consumer_and_claimed_by_others(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+    [view] = await broker.subscribe(spec, "billing")
+    await broker.publish([command("billing.refund", i) for i in range(3)])
+    first = await broker.read(view, "a", 10, 10)
+    assert len(first) == 3
+    again = await broker.read_own_pending(view, "a", 10)
+    assert numbers(again) == [0, 1, 2] and {d.delivery_count for d in again} == {2}
+    assert await broker.claim_idle(view, "b", 60_000, 10) == []  # not idle long enough
+    await anyio.sleep(0.05)
+    claimed = await broker.claim_idle(view, "b", 20, 10)
+    assert numbers(claimed) == [0, 1, 2] and {d.delivery_count for d in claimed} == {3}
+    assert claimed[0].attempt == 3
+    assert await broker.read_own_pending(view, "a", 10) == []
+
+
+async def test_extend_keeps_entries_from_being_claimed(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+    [view] = await broker.subscribe(spec, "billing")
+    await broker.publish([command("billing.refund", 1)])
+    held = await broker.read(view, "a", 10, 10)
+    await anyio.sleep(0.06)
+    assert await broker.extend(view, "a", held) == {held[0].entry_id}
+    assert await broker.claim_idle(view, "b", 50, 10) == []
+    await anyio.sleep(0.06)
+    assert len(await broker.claim_idle(view, "b", 50, 10)) == 1
+    assert await broker.extend(view, "a", held) == set()  # lost to b: not touched
+
+
+async def test_dead_letter_is_atomic_with_ack_and_happens_once(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+    [view] = await broker.subscribe(spec, "billing")
+    await broker.publish([command("billing.refund", 7)])
+    [d] = await broker.read(view, "a", 10, 10)
+    assert await broker.dead_letter(d, {"dlq-reason": "boom"}) is not None
+    assert await broker.dead_letter(d, {"dlq-reason": "boom"}) is None  # no longer pending: no second entry
+    assert await broker.redis.xlen(view.keys.dlq) == 1
+    assert await broker.redis.xlen(view.stream) == 0
+    [(_, flat)] = await broker.redis.execute_command("XRANGE", view.keys.dlq, "-", "+")
+    fields = dict(zip(flat[::2], flat[1::2], strict=True))
+    assert fields[b"dlq-reason"] == b"boom" and fields[b"id"] == d.envelope.id.encode()
+
+
+async def test_retry_path_redelivers_to_the_failing_group_only(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("orders.placed", "event"))
+    [billing] = await broker.subscribe(spec, "billing")
+    [shipping] = await broker.subscribe(spec, "shipping")
+    await broker.publish([event("orders.placed", 1)])
+    [d] = await broker.read(billing, "a", 10, 10)
+    assert await broker.retry_later(d, now_ms() + 60_000)
+    assert await broker.move_due(billing, now_ms()) == 0  # not due yet
+    assert await broker.move_due(billing, now_ms() + 61_000) == 1
+    [again] = await broker.read(billing, "a", 10, 10)
+    assert again.envelope.id == d.envelope.id and again.attempt == 2
+    assert numbers(await broker.read(shipping, "s", 10, 10)) == [1]  # shipping saw it once, from the topic
+    assert await broker.read(shipping, "s", 10, 10) == []
+
+
+async def test_concurrent_schedulers_move_each_retry_once(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+    [view] = await broker.subscribe(spec, "billing")
+    await broker.publish([command("billing.refund", i) for i in range(200)])
+    due = now_ms()
+    for d in await broker.read(view, "a", 500, 10):
+        await broker.retry_later(d, due)
+    moved: list[int] = []
+
+    async def scheduler() -> None:
+        while await broker.redis.zcard(view.keys.delayed):
+            moved.append(await broker.move_due(view, now_ms(), limit=7))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(4):
+            tg.start_soon(scheduler)
+    assert sum(moved) == 200
+    again = await broker.read(view, "a", 500, 10)
+    assert sorted(numbers(again)) == list(range(200))
+
+
+async def test_trimming_never_drops_an_entry_a_group_has_not_acked(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("orders.placed", "event", retention_ms=1, max_length=5))
+    [fast] = await broker.subscribe(spec, "fast")
+    [slow] = await broker.subscribe(spec, "slow")
+    await broker.publish([event("orders.placed", i) for i in range(50)])
+    await broker.ack(fast, await broker.read(fast, "f", 100, 10))
+    slow_got = await broker.read(slow, "s", 10, 10)  # delivered 0..9, acks only 0..4
+    await broker.ack(slow, slow_got[:5])
+    await anyio.sleep(0.01)
+    removed = await broker.trim(spec, 0, now_ms())
+    assert removed == 5  # only what every group acknowledged
+    remaining = [orjson.loads(dict(zip(f[::2], f[1::2], strict=True))[b"body"])["n"]
+                 for _, f in await broker.redis.execute_command("XRANGE", slow.stream, "-", "+")]
+    assert remaining == list(range(5, 50))
+    await broker.ack(slow, slow_got[5:] + await broker.read(slow, "s", 100, 10))
+    await broker.trim(spec, 0, now_ms())
+    assert await broker.redis.xlen(slow.stream) == 0  # retention 1 ms: all acked events go
+
+
+async def test_length_retention_keeps_newest_entries(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("metrics", "event", retention_ms=None, max_length=10))
+    [view] = await broker.subscribe(spec, "reader")
+    await broker.publish([event("metrics", i) for i in range(30)])
+    await broker.ack(view, await broker.read(view, "r", 100, 10))
+    assert await broker.trim(spec, 0, now_ms()) == 20
+    assert await broker.redis.xlen(view.stream) == 10
+
+
+async def test_new_group_can_start_at_latest(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("orders.placed", "event"))
+    await broker.publish([event("orders.placed", 1)])
+    [late] = await broker.subscribe(spec, "late", start="latest")
+    [early] = await broker.subscribe(spec, "early", start="earliest")
+    await broker.publish([event("orders.placed", 2)])
+    assert numbers(await broker.read(late, "c", 10, 10)) == [2]
+    assert numbers(await broker.read(early, "c", 10, 10)) == [1, 2]
+
+
+async def test_idempotency_key_stores_a_message_once(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+    [view] = await broker.subscribe(spec, "billing")
+    first = command("billing.refund", 1)
+    first.headers["idempotency-key"] = "req-42"
+    repeat = command("billing.refund", 1)
+    repeat.headers["idempotency-key"] = "req-42"
+    ids = await broker.publish([first, repeat])
+    assert ids[0] is not None and ids[1] is None
+    assert len(await broker.read(view, "c", 10, 10)) == 1
+
+
+async def test_undecodable_entries_are_delivered_with_the_reason(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+    [view] = await broker.subscribe(spec, "billing")
+    await broker.redis.xadd(view.stream, {"garbage": b"\xff\x00"})
+    [d] = await broker.read(view, "c", 10, 10)
+    assert d.envelope is None and "id" in (d.error or "")
+    assert await broker.dead_letter(d, {"dlq-reason": d.error or ""})

@@ -1,0 +1,146 @@
+"""Fault tests: real worker processes killed with SIGKILL/SIGTERM; count what was lost and duplicated."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from framework import Queue, SyncClient, Topic
+
+pytestmark = [pytest.mark.fault, pytest.mark.slow]
+
+JOBS = Queue("jobs", partitions=2)  # as declared by tests/apps/faultapp.py
+LEDGER = Topic("ledger", partitions=2)
+
+
+class Workers:
+    """Starts `python -m framework run` workers and cleans them up."""
+
+    def __init__(self, env: dict[str, str], tmp: Path) -> None:
+        self.env = env
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, target: str, consumer: str, *extra: str, **env: str) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{consumer}.log", "ab")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "framework", "run", target, "--consumer", consumer, *extra],
+            env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def log(self, consumer: str) -> str:
+        return (self.tmp / f"{consumer}.log").read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def workers(worker_env: dict[str, str], tmp_path: Path) -> Iterator[Workers]:
+    w = Workers(worker_env, tmp_path)
+    yield w
+    w.stop_all()
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_sigkill_mid_batch_loses_nothing_and_another_worker_takes_over(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    total = 3000
+    with SyncClient(redis_url, namespace=namespace) as client:
+        client.send_many(JOBS, [{"n": str(i)} for i in range(total)], key=lambda c: c["n"])
+    opts = ("--visibility-timeout", "2", "--prefetch", "50", "--concurrency", "8")
+    a = workers.start("faultapp:worker", "a", *opts, JOB_SLEEP="0.002")
+    wait_for(lambda: r.hlen(f"{namespace}:test:done") > 300, 60, "worker a to process some jobs")
+    b = workers.start("faultapp:worker", "b", *opts, JOB_SLEEP="0.002")
+    time.sleep(0.3)
+    a.send_signal(signal.SIGKILL)  # mid-batch: a holds fetched, unacked entries
+    a.wait()
+    wait_for(lambda: r.hlen(f"{namespace}:test:done") == total, 120, "every job to be processed")
+    counts = [int(v) for v in r.hvals(f"{namespace}:test:done")]
+    lost = total - len(counts)
+    duplicated = sum(c - 1 for c in counts)
+    assert lost == 0
+    # without an inbox, only entries a had fetched and finished but not acked may run twice
+    assert duplicated <= 2 * 50 * 2, duplicated
+    assert "claimed entries idle past the visibility timeout" in workers.log("b")
+    b.send_signal(signal.SIGTERM)
+    assert b.wait(timeout=30) == 0
+    pending = sum(
+        g["pending"] for p in (0, 1)
+        for g in r.xinfo_groups(f"{namespace}:{{jobs:{p}}}")
+    )
+    assert pending == 0
+
+
+def test_sigterm_finishes_in_flight_work_acks_it_and_exits_zero(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    with SyncClient(redis_url, namespace=namespace) as client:
+        client.send_many(JOBS, [{"n": str(i)} for i in range(400)])
+    w = workers.start("faultapp:worker", "w", "--prefetch", "20", "--concurrency", "4", JOB_SLEEP="0.02")
+    wait_for(lambda: r.hlen(f"{namespace}:test:done") > 20, 60, "some jobs to be processed")
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(timeout=30) == 0
+    done = {k.decode(): int(v) for k, v in r.hgetall(f"{namespace}:test:done").items()}
+    assert set(done.values()) == {1}
+    pending = sum(g["pending"] for p in (0, 1) for g in r.xinfo_groups(f"{namespace}:{{jobs:{p}}}"))
+    assert pending == 0  # everything processed was acked before exit
+    remaining = sum(r.xlen(f"{namespace}:{{jobs:{p}}}") for p in (0, 1))
+    assert remaining == 400 - len(done)  # and nothing unprocessed was acked
+    assert "runtime stopped" in workers.log("w")
+
+
+def test_order_per_key_holds_across_a_worker_restart(workers: Workers, redis_url: str, namespace: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    events = [{"seq": i} for i in range(100)]
+    with SyncClient(redis_url, namespace=namespace) as client:
+        for account in ("x", "y", "z"):
+            with client.batch() as batch:
+                for e in events:
+                    batch.publish(LEDGER, e, key=account)
+    w = workers.start("faultapp:auditor", "w", "--concurrency", "16", "--prefetch", "5", JOB_SLEEP="0.01")
+    wait_for(lambda: r.llen(f"{namespace}:test:order:x") > 30, 60, "some events")
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(timeout=30) == 0
+    assert r.llen(f"{namespace}:test:order:x") < 100
+    w2 = workers.start("faultapp:auditor", "w", "--concurrency", "16", JOB_SLEEP="0.01")
+    wait_for(lambda: all(r.llen(f"{namespace}:test:order:{k}") == 100 for k in "xyz"), 60, "all events")
+    for k in "xyz":
+        assert [int(v) for v in r.lrange(f"{namespace}:test:order:{k}", 0, -1)] == list(range(100))
+    w2.send_signal(signal.SIGTERM)
+    assert w2.wait(timeout=30) == 0
+
+
+def test_missing_broker_says_how_to_start_one(worker_env: dict[str, str]) -> None:
+    env = {**worker_env, "REDIS_URL": "redis://127.0.0.1:9/0"}
+    proc = subprocess.run([sys.executable, "-m", "framework", "run", "faultapp:worker"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "cannot reach the broker at redis://127.0.0.1:9/0" in proc.stderr
+    assert "redis-server" in proc.stderr and "framework server start" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    _ = os.environ
