@@ -12,6 +12,7 @@ MULTI that touch a stream and its group keys stay on one Cluster node::
     <ns>:{<dest>:<p>}:g:<group>:dlq            stream  the group's dead letters
     <ns>:{<dest>:<p>}:g:<group>:inbox          zset    processed message ids, score = processed-at ms
     <ns>:{<dest>:<p>}:g:<group>:leases         zset    ids being processed, score = lease expiry ms
+    <ns>:{<dest>:<p>}:g:<group>:attempts       hash    id -> attempts started on redeliveries (crash loops)
 
 ``<ns>`` (default ``fw``) separates deployments and test runs sharing one server.
 """
@@ -49,6 +50,7 @@ class PartitionKeys:
             dlq=f"{base}:dlq",
             inbox=f"{base}:inbox",
             leases=f"{base}:leases",
+            attempts=f"{base}:attempts",
         )
 
 
@@ -63,6 +65,7 @@ class GroupKeys:
     dlq: str
     inbox: str
     leases: str
+    attempts: str
 
 
 @attrs.frozen

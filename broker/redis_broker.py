@@ -296,15 +296,25 @@ class RedisBroker:
         now = now_ms()
         calls: list[tuple[str, list[str], list[Any]]] = []
         keys = source.keys
+        script_keys = [keys.inbox, keys.leases, keys.attempts]
         for stream, items in by_stream.items():
             delete = "1" if source.deletes_on_ack(stream) else "0"
             for i in range(0, len(items), _ACK_CHUNK):
                 chunk = items[i : i + _ACK_CHUNK]
-                args: list[Any] = [source.group, delete, now, len(chunk), *(d.entry_id for d in chunk)]
-                if inbox:
-                    args += [d.envelope.id for d in chunk if d.envelope is not None]
-                calls.append(("ack", [stream, keys.inbox, keys.leases], args))
+                marks = [d.envelope.id for d in chunk if d.envelope is not None] if inbox else []
+                counters = [d.envelope.id for d in chunk if d.delivery_count > 1 and d.envelope is not None]
+                args: list[Any] = [source.group, delete, now, len(chunk), len(marks), len(counters),
+                                   *(d.entry_id for d in chunk), *marks, *counters]
+                calls.append(("ack", [stream, *script_keys], args))
         return sum(int(r) for r in await self._run_pipeline(calls))
+
+    async def count_attempt(self, delivery: Delivery) -> int:
+        """Record that a redelivered message is about to run; return how many such runs it had.
+
+        First deliveries are not counted (that would cost a write per message): a message whose
+        handler kills its process is recognised on its redeliveries.
+        """
+        return int(await self.redis.hincrby(delivery.source.keys.attempts, delivery.message_id, 1))
 
     async def dead_letter(self, delivery: Delivery, reason: dict[str, str]) -> str | None:
         """Write the delivery's fields plus ``reason`` to the group's DLQ and ack it, atomically."""
@@ -319,7 +329,7 @@ class RedisBroker:
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
         reply = await self.scripts["dead_letter"](
             self.redis,
-            [delivery.stream, source.keys.dlq, source.keys.leases],
+            [delivery.stream, source.keys.dlq, source.keys.leases, source.keys.attempts],
             [source.group, delivery.entry_id, delete, delivery.message_id, *flat],
         )
         return None if reply is None else _text(reply)
@@ -342,7 +352,7 @@ class RedisBroker:
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
         reply = await self.scripts["retry_later"](
             self.redis,
-            [delivery.stream, source.keys.delayed, source.keys.leases],
+            [delivery.stream, source.keys.delayed, source.keys.leases, source.keys.attempts],
             [source.group, delivery.entry_id, delete, due_ms, delivery.message_id, *flat],
         )
         return bool(reply)
@@ -368,6 +378,40 @@ class RedisBroker:
         return int(await self.scripts["trim"](
             self.redis, [pkeys.stream], [cutoff, spec.max_length or 0, max_removed]
         ))
+
+    # -- dead letters and subscriptions ------------------------------------------------------------
+
+    async def dead_letter_entries(self, view: GroupPartition, count: int | None = None) -> list[tuple[str, dict[bytes, bytes]]]:
+        """The group's dead letters on this partition, oldest first: (DLQ entry id, fields)."""
+        args: list[Any] = ["XRANGE", view.keys.dlq, "-", "+"]
+        if count is not None:
+            args += ["COUNT", count]
+        rows = await self.redis.execute_command(*args)
+        return [(_text(eid), dict(zip(flat[::2], flat[1::2], strict=True))) for eid, flat in rows]
+
+    async def redrive(self, view: GroupPartition, dlq_entry_id: str) -> str | None:
+        """Move one dead letter back to its group only, as a first attempt; None if it is gone."""
+        reply = await self.scripts["redrive"](self.redis, [view.keys.dlq, view.keys.redeliver], [dlq_entry_id])
+        return None if reply is None else _text(reply)
+
+    async def purge_dead_letters(self, view: GroupPartition, dlq_entry_ids: Sequence[str]) -> int:
+        """Delete dead letters for good; returns how many existed."""
+        if not dlq_entry_ids:
+            return 0
+        return int(await self.redis.xdel(view.keys.dlq, *dlq_entry_ids))
+
+    async def unsubscribe(self, spec: DestinationSpec, group: str) -> None:
+        """Remove ``group`` from every partition of ``spec`` with its retry, DLQ and inbox keys."""
+        for p in range(spec.partitions):
+            view = self.group_partition(spec, p, group)
+            for stream in (view.stream, view.keys.redeliver):
+                try:
+                    await self.redis.xgroup_destroy(stream, group)
+                except ResponseError:
+                    pass
+            keys = view.keys
+            await self.redis.delete(keys.redeliver, keys.delayed, keys.dlq, keys.inbox, keys.leases, keys.attempts)
+        await self.redis.hdel(self.keyspace.subscriptions, f"{spec.name}|{group}")
 
     # -- inspection helpers --------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from redis.exceptions import NoScriptError
 
 __all__ = ["Script", "load_scripts"]
 
-_NAMES = ("ack", "dead_letter", "retry_later", "move_due", "extend", "trim", "publish_once")
+_NAMES = ("ack", "dead_letter", "retry_later", "move_due", "extend", "trim", "publish_once", "redrive")
 
 
 class Script:

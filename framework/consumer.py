@@ -155,7 +155,6 @@ class Consumer:
         handler = self.handler
         decode = handler.decode
         key_fn = handler.key
-        max_attempts = handler.retry.max_attempts
         lanes = self.runtime.lanes
         scope = self.scope
         held = state.held
@@ -170,13 +169,6 @@ class Consumer:
             env = d.envelope
             if env is None:
                 poison.append((d, poison_reason(handler, d, f"undecodable message: {d.error}")))
-                continue
-            if d.attempt > max_attempts:
-                poison.append((d, poison_reason(
-                    handler, d,
-                    f"delivered {d.attempt} times (max_attempts {max_attempts}) without completing: "
-                    "the worker crashed or stalled past the visibility timeout each time",
-                )))
                 continue
             try:
                 payload = decode(env.body)
@@ -201,46 +193,20 @@ class Consumer:
 
     async def process(self, state: _PartitionState, works: Sequence[Work]) -> None:
         """Run the handler for each work, in order; publish staged messages; queue acks."""
-        handler = self.handler
-        fn = handler.fn
-        takes_ctx = handler.takes_context
-        is_async = handler.is_async
-        policy = handler.retry
-        stats = self.stats
         done: list[Delivery] = []
         outgoing: list[Any] = []
         started = time.perf_counter()
+        run = self._run
         for d, payload in works:
-            attempt = d.attempt
-            while True:
-                ctx = Context(d, handler, attempt)
-                try:
-                    if is_async:
-                        if takes_ctx:
-                            await fn(payload, ctx)
-                        else:
-                            await fn(payload)
-                    else:
-                        call = functools.partial(fn, payload, ctx) if takes_ctx else functools.partial(fn, payload)
-                        await anyio.to_thread.run_sync(call, limiter=self.runtime.thread_limiter)
-                except Exception as exc:
-                    stats.failed += 1
-                    decision = policy.decide(attempt, exc)
-                    self._log_failure(d, attempt, exc, decision)
-                    if decision.action == "retry" or (decision.action == "delay" and policy.in_place):
-                        stats.retried += 1
-                        if decision.seconds:
-                            await anyio.sleep(decision.seconds)
-                        attempt += 1
-                        continue
-                    await self._settle_failure(state, d, attempt, exc, decision)
-                    break
-                else:
-                    if ctx._outgoing:
-                        outgoing += ctx._outgoing
-                    done.append(d)
-                    break
-        stats.handler_seconds += time.perf_counter() - started
+            if d.delivery_count == 1:
+                ctx = await run(state, d, payload, d.envelope.attempt)  # type: ignore[union-attr]
+            else:
+                ctx = await self._run_suspect(state, d, payload)
+            if ctx is not None:
+                if ctx._outgoing:
+                    outgoing += ctx._outgoing
+                done.append(d)
+        self.stats.handler_seconds += time.perf_counter() - started
         if outgoing:
             try:
                 await self.runtime.publish_outgoing(outgoing)
@@ -249,10 +215,81 @@ class Consumer:
                                 count=len(done), exc_info=exc)
                 self._forget(state, done)
                 return
-        stats.processed += len(done)
+        self.stats.processed += len(done)
         if done:
             state.ack_buffer += done
             state.ack_wakeup.set()
+
+    async def _run(self, state: _PartitionState, d: Delivery, payload: Any, attempt: int) -> Context | None:
+        """Call the handler until it succeeds (its context) or the failure is settled (None)."""
+        handler = self.handler
+        fn = handler.fn
+        policy = handler.retry
+        while True:
+            ctx = Context(d, handler, attempt)
+            try:
+                if handler.is_async:
+                    if handler.takes_context:
+                        await fn(payload, ctx)
+                    else:
+                        await fn(payload)
+                else:
+                    call = functools.partial(fn, payload, ctx) if handler.takes_context else functools.partial(fn, payload)
+                    await anyio.to_thread.run_sync(call, limiter=self.runtime.thread_limiter)
+                return ctx
+            except Exception as exc:
+                self.stats.failed += 1
+                decision = policy.decide(attempt, exc)
+                self._log_failure(d, attempt, exc, decision)
+                if decision.action == "retry" or (decision.action == "delay" and policy.in_place):
+                    self.stats.retried += 1
+                    if decision.seconds:
+                        await anyio.sleep(decision.seconds)
+                    attempt += 1
+                    continue
+                await self._settle_failure(state, d, attempt, exc, decision)
+                return None
+
+    async def _run_suspect(self, state: _PartitionState, d: Delivery, payload: Any) -> Context | None:
+        """Run a redelivered message alone in the process (see :meth:`_count_redelivery`).
+
+        Redelivered messages are suspects: one of them may be what killed the last worker. Run
+        one at a time, a message that crashes its worker takes down no other suspect with it,
+        so only the culprit's count of started runs grows towards its ``max_attempts``.
+        """
+        async with self.runtime.suspect_lock:
+            if not await self._count_redelivery(state, d):
+                return None
+            return await self._run(state, d, payload, d.attempt)
+
+    async def _count_redelivery(self, state: _PartitionState, d: Delivery) -> bool:
+        """Count a redelivered message's run; dead-letter it instead when it keeps killing workers.
+
+        The delivery count also rises for messages fetched by a worker that died before it ran
+        them, so it cannot tell a crash loop on its own: runs of redelivered messages are counted
+        in Redis just before they start (first deliveries are not, which saves a write per message).
+        Sets ``d.delivery_count`` to the attempt number this run has (first attempt presumed run).
+        """
+        assert d.envelope is not None
+        try:
+            runs = await self.runtime.broker.count_attempt(d)
+        except Exception as exc:
+            self._log.error("could not count a redelivery; it stays pending", message_id=d.message_id, exc_info=exc)
+            self._forget(state, [d])
+            return False
+        attempt = d.envelope.attempt + runs
+        max_attempts = self.handler.retry.max_attempts
+        if attempt > max_attempts:
+            reason = poison_reason(
+                self.handler, d,
+                f"started {attempt - 1} times (max_attempts {max_attempts}) without completing: "
+                "the worker crashed or stalled past the visibility timeout each time",
+                attempts=attempt - 1,
+            )
+            await self._dead_letter(state, d, reason)
+            return False
+        d.delivery_count = attempt - d.envelope.attempt + 1  # so d.attempt is this run's attempt number
+        return True
 
     def abandon(self, state: _PartitionState, works: Sequence[Work]) -> None:
         """Forget works after an internal error; they stay pending and are claimed again later."""

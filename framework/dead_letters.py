@@ -49,9 +49,9 @@ def exception_reason(handler: Handler, d: Delivery, attempts: int, exc: BaseExce
     return fields
 
 
-def poison_reason(handler: Handler, d: Delivery, reason: str) -> dict[str, str]:
+def poison_reason(handler: Handler, d: Delivery, reason: str, *, attempts: int | None = None) -> dict[str, str]:
     """Reason fields for a message that cannot run at all (undecodable, invalid, crash loop)."""
-    fields = _base(handler, d, d.attempt, reason)
+    fields = _base(handler, d, d.attempt if attempts is None else attempts, reason)
     fields[h.DLQ_ERROR_TYPE] = "poison"
     fields[h.DLQ_ERROR_MESSAGE] = reason
     return fields

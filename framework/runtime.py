@@ -89,6 +89,8 @@ class Runtime:
         try:
             self.lanes = LanePool(self.settings.concurrency)
             self.thread_limiter = anyio.CapacityLimiter(self.settings.concurrency)
+            self.suspect_lock = anyio.Lock()  # redelivered messages run one at a time (crash-loop isolation)
+            await self._check_orphan_subscriptions()
             self.consumers = []
             for service in self.services:
                 for handler in service.handlers:
@@ -119,6 +121,21 @@ class Runtime:
                 with anyio.CancelScope(shield=True):
                     await self._broker.close()
                 self._broker = None
+
+    async def _check_orphan_subscriptions(self) -> None:
+        """Refuse to start when a service's group exists on a destination it no longer handles.
+
+        Messages would pile up there unprocessed (and hold back topic trimming) without a word.
+        """
+        handled = {(h.destination.name, s.name) for s in self.services for h in s.handlers}
+        names = {s.name for s in self.services}
+        for destination, group in await self.broker.list_subscriptions():
+            if group in names and (destination, group) not in handled:
+                raise HandlerError(
+                    f"service {group!r} is subscribed to {destination!r} (from an earlier version) but has no "
+                    f"handler for it now, so its messages would wait there forever. Add a handler, or drop the "
+                    f"subscription with `framework unsubscribe {destination} --group {group}`."
+                )
 
     def stop(self) -> None:
         """Ask for a graceful shutdown (idempotent; returns at once)."""

@@ -89,6 +89,16 @@ class embedded_server:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Give tests plain, fast console logs unless the application configured structlog itself."""
+    import structlog
+
+    from framework.logs import configure_logging
+
+    if not structlog.is_configured():
+        configure_logging(fmt="console")
+
+
 @pytest.fixture(scope="session")
 def framework_redis_url() -> Iterator[str]:
     """``$REDIS_URL``, or a session-wide embedded Valkey."""

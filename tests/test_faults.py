@@ -144,3 +144,53 @@ def test_missing_broker_says_how_to_start_one(worker_env: dict[str, str]) -> Non
     assert "redis-server" in proc.stderr and "framework server start" in proc.stderr
     assert "Traceback" not in proc.stderr
     _ = os.environ
+
+
+def test_a_message_that_crashes_its_process_every_time_ends_in_the_dlq(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    with SyncClient(redis_url, namespace=namespace) as client:
+        crash_id = client.send(JOBS, {"n": "crash"})
+        client.send_many(JOBS, [{"n": str(i)} for i in range(20)])
+    dlq_keys = [f"{namespace}:{{jobs:{p}}}:g:worker:dlq" for p in (0, 1)]
+    exits = []
+    for _ in range(6):  # max_attempts is 3: three crashes, then the 4th delivery goes to the DLQ
+        w = workers.start("faultapp:worker", "w", "--visibility-timeout", "30")
+        wait_for(lambda w=w: w.poll() is not None or sum(r.xlen(k) for k in dlq_keys) > 0, 60, "crash or DLQ")
+        if w.poll() is None:
+            wait_for(lambda: r.hlen(f"{namespace}:test:done") == 20, 60, "the other jobs")
+            w.send_signal(signal.SIGTERM)
+            assert w.wait(timeout=30) == 0
+            break
+        exits.append(w.returncode)
+    assert exits == [17, 17, 17]
+    assert int(r.hget(f"{namespace}:test:crashes", "crash")) == 3
+    [(_, fields)] = [e for k in dlq_keys for e in r.xrange(k)]
+    assert fields[b"id"].decode() == crash_id
+    assert b"started 3 times (max_attempts 3) without completing" in fields[b"dlq-reason"]
+    assert sum(g["pending"] for p in (0, 1) for g in r.xinfo_groups(f"{namespace}:{{jobs:{p}}}")) == 0
+
+
+def test_sigkill_during_dead_lettering_leaves_exactly_one_dlq_entry_per_message(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    total = 60
+    with SyncClient(redis_url, namespace=namespace) as client:
+        client.send_many("poison.jobs", [{"n": i} for i in range(total)])
+    stream, dlq = f"{namespace}:{{poison.jobs:0}}", f"{namespace}:{{poison.jobs:0}}:g:poison:dlq"
+    for delay in (0.25, 0.35, 0.45, 0.55, 0.65):  # kill at different points of the DLQ moves
+        w = workers.start("faultapp:poison", "w", "--concurrency", "1", "--prefetch", "5",
+                          "--visibility-timeout", "30", JOB_SLEEP="0.004")
+        wait_for(lambda: r.exists(dlq) or w.poll() is not None, 30, "the first dead letter")
+        time.sleep(delay / 5)
+        w.send_signal(signal.SIGKILL)
+        w.wait()
+    w = workers.start("faultapp:poison", "w", "--visibility-timeout", "30")
+    wait_for(lambda: r.xlen(dlq) >= total and r.xlen(stream) == 0, 60, "every message dead-lettered")
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(timeout=30) == 0
+    ids = [fields[b"id"] for _, fields in r.xrange(dlq)]
+    assert len(ids) == total and len(set(ids)) == total  # none lost, none doubled
+    assert r.xinfo_groups(stream)[0]["pending"] == 0

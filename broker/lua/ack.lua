@@ -1,32 +1,36 @@
 -- ack.lua: acknowledge processed entries of one stream, and make their inbox records final.
 --
 -- KEYS[1]  stream the entries were read from (a partition stream or a group's redeliver stream)
--- KEYS[2]  the group's inbox zset   (member = message id, score = processed-at ms)
--- KEYS[3]  the group's leases zset  (member = message id, score = lease expiry ms)
+-- KEYS[2]  the group's inbox zset     (member = message id, score = processed-at ms)
+-- KEYS[3]  the group's leases zset    (member = message id, score = lease expiry ms)
+-- KEYS[4]  the group's attempts hash  (message id -> attempts started on redeliveries)
 -- ARGV[1]  group
 -- ARGV[2]  "1" to XDEL the entries after XACK (queues, redeliver streams), "0" to keep them (topics)
 -- ARGV[3]  now, Unix ms
--- ARGV[4]  n, the number of entry ids that follow
--- ARGV[5 .. 4+n]      entry ids to acknowledge
--- ARGV[5+n .. end]    message ids to record in the inbox (none when the inbox is off)
+-- ARGV[4]  n, entry ids that follow
+-- ARGV[5]  m, message ids to record in the inbox that follow the entry ids (0 when the inbox is off)
+-- ARGV[6]  k, message ids whose attempt counters to drop, after those
+-- ARGV[7 ..]  the n entry ids, the m inbox ids, the k counter ids
 -- Returns the number of entries acknowledged.
-local n = tonumber(ARGV[4])
+local n, m, k = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local ids = {}
-for i = 1, n do ids[i] = ARGV[4 + i] end
+for i = 1, n do ids[i] = ARGV[6 + i] end
 local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
 if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(ids)) end
-local marks = #ARGV - 4 - n
-if marks > 0 then
-  local now = ARGV[3]
-  local zadd = {}
-  local zrem = {}
-  for i = 1, marks do
-    local mid = ARGV[4 + n + i]
-    zadd[#zadd + 1] = now
+if m > 0 then
+  local zadd, zrem = {}, {}
+  for i = 1, m do
+    local mid = ARGV[6 + n + i]
+    zadd[#zadd + 1] = ARGV[3]
     zadd[#zadd + 1] = mid
     zrem[#zrem + 1] = mid
   end
   redis.call('ZADD', KEYS[2], unpack(zadd))
   redis.call('ZREM', KEYS[3], unpack(zrem))
+end
+if k > 0 then
+  local fields = {}
+  for i = 1, k do fields[i] = ARGV[6 + n + m + i] end
+  redis.call('HDEL', KEYS[4], unpack(fields))
 end
 return acked

@@ -3,6 +3,7 @@
 -- KEYS[1]  stream the entry was read from
 -- KEYS[2]  the group's DLQ stream
 -- KEYS[3]  the group's leases zset (the message's lease, if any, is released)
+-- KEYS[4]  the group's attempts hash (the message's counter is dropped)
 -- ARGV[1]  group
 -- ARGV[2]  entry id
 -- ARGV[3]  "1" to XDEL the entry after XACK, "0" to keep it (topic partition streams)
@@ -17,5 +18,8 @@ for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
 local dead = redis.call('XADD', KEYS[2], '*', unpack(fields))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 if ARGV[3] == '1' then redis.call('XDEL', KEYS[1], ARGV[2]) end
-if ARGV[4] ~= '' then redis.call('ZREM', KEYS[3], ARGV[4]) end
+if ARGV[4] ~= '' then
+  redis.call('ZREM', KEYS[3], ARGV[4])
+  redis.call('HDEL', KEYS[4], ARGV[4])
+end
 return dead

@@ -3,6 +3,7 @@
 -- KEYS[1]  stream the entry was read from
 -- KEYS[2]  the group's delayed zset (member = cmsgpack of the entry's field/value list, score = due ms)
 -- KEYS[3]  the group's leases zset
+-- KEYS[4]  the group's attempts hash (the message's counter is dropped)
 -- ARGV[1]  group
 -- ARGV[2]  entry id
 -- ARGV[3]  "1" to XDEL the entry after XACK, "0" to keep it
@@ -17,5 +18,8 @@ for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('ZADD', KEYS[2], ARGV[4], cmsgpack.pack(fields))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 if ARGV[3] == '1' then redis.call('XDEL', KEYS[1], ARGV[2]) end
-if ARGV[5] ~= '' then redis.call('ZREM', KEYS[3], ARGV[5]) end
+if ARGV[5] ~= '' then
+  redis.call('ZREM', KEYS[3], ARGV[5])
+  redis.call('HDEL', KEYS[4], ARGV[5])
+end
 return 1

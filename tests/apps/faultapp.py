@@ -38,3 +38,13 @@ def audit(event: dict, ctx: Context) -> None:
     """Records each event per key, in the order it ran."""
     time.sleep(SLEEP)
     _redis.rpush(f"{NS}:test:order:{ctx.key}", event["seq"])
+
+
+poison = Service("poison", retry=RetryPolicy(max_attempts=5, fatal=(ValueError,)))
+
+
+@poison.command("poison.jobs")
+def reject(cmd: dict) -> None:
+    """Every message is rejected with a fatal error: each goes straight to the DLQ."""
+    time.sleep(SLEEP)
+    raise ValueError(f"rejected {cmd['n']}")

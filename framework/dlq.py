@@ -1,0 +1,192 @@
+"""Dead-letter queues as a Python API: list, show, redrive (to the failing group only) and purge.
+
+Every (destination, group) pair has a DLQ per partition. A dead letter is named by its *ref*,
+``<destination>/<partition>/<group>/<dlq-entry-id>``, or by its message id when that is unique.
+The CLI (``framework dlq ...``) is a thin layer over :class:`DeadLetters`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+import attrs
+import orjson
+
+from broker import GroupPartition, RedisBroker
+from broker import headers as h
+
+__all__ = ["DeadLetter", "DeadLetters"]
+
+
+def _s(fields: dict[bytes, bytes], name: str) -> str:
+    value = fields.get(name.encode())
+    return value.decode(errors="replace") if value is not None else ""
+
+
+def _time(fields: dict[bytes, bytes], name: str) -> datetime | None:
+    raw = _s(fields, name)
+    return datetime.fromtimestamp(int(raw) / 1000, tz=UTC) if raw.isdigit() else None
+
+
+@attrs.frozen
+class DeadLetter:
+    """A message in a dead-letter queue, with the reason it is there."""
+
+    ref: str
+    destination: str
+    partition: int
+    group: str
+    entry_id: str
+    message_id: str
+    type: str
+    key: str | None
+    headers: dict[str, Any]
+    body: bytes
+    reason: str
+    error_type: str
+    error_message: str
+    traceback: str
+    attempts: int
+    handler: str
+    first_failed_at: datetime | None
+    dead_at: datetime | None
+
+    @classmethod
+    def from_entry(cls, view: GroupPartition, entry_id: str, fields: dict[bytes, bytes]) -> DeadLetter:
+        """Build from a DLQ stream entry."""
+        try:
+            headers = orjson.loads(fields[b"headers"]) if b"headers" in fields else {}
+        except orjson.JSONDecodeError:
+            headers = {"(undecodable)": _s(fields, "headers")}
+        attempts = _s(fields, h.DLQ_ATTEMPTS)
+        return cls(
+            ref=f"{view.spec.name}/{view.partition}/{view.group}/{entry_id}",
+            destination=view.spec.name,
+            partition=view.partition,
+            group=view.group,
+            entry_id=entry_id,
+            message_id=_s(fields, "id"),
+            type=_s(fields, "type"),
+            key=_s(fields, "key") or None,
+            headers=headers,
+            body=fields.get(b"body", b""),
+            reason=_s(fields, h.DLQ_REASON),
+            error_type=_s(fields, h.DLQ_ERROR_TYPE),
+            error_message=_s(fields, h.DLQ_ERROR_MESSAGE),
+            traceback=_s(fields, h.DLQ_TRACEBACK),
+            attempts=int(attempts) if attempts.isdigit() else 0,
+            handler=_s(fields, h.DLQ_HANDLER),
+            first_failed_at=_time(fields, h.DLQ_FIRST_FAILED_AT),
+            dead_at=_time(fields, h.DLQ_DEAD_AT),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data (body as text when it is UTF-8, else hex)."""
+        data = attrs.asdict(self)
+        try:
+            data["body"] = self.body.decode()
+        except UnicodeDecodeError:
+            data["body_hex"] = self.body.hex()
+            data["body"] = None
+        for name in ("first_failed_at", "dead_at"):
+            data[name] = data[name].isoformat() if data[name] else None
+        return data
+
+
+class DeadLetters:
+    """Operations on the dead-letter queues of every subscription in a namespace."""
+
+    def __init__(self, broker: RedisBroker) -> None:
+        self.broker = broker
+
+    async def _views(self, group: str | None = None, destination: str | None = None) -> list[GroupPartition]:
+        views = []
+        for dest, grp in await self.broker.list_subscriptions():
+            if (group and grp != group) or (destination and dest != destination):
+                continue
+            spec = await self.broker.get_destination(dest)
+            if spec is not None:
+                views += [self.broker.group_partition(spec, p, grp) for p in range(spec.partitions)]
+        return views
+
+    async def list(self, *, group: str | None = None, destination: str | None = None,
+                   limit: int | None = None) -> list[DeadLetter]:
+        """Dead letters, filtered by group and/or destination, oldest first per partition."""
+        out: list[DeadLetter] = []
+        for view in await self._views(group, destination):
+            for entry_id, fields in await self.broker.dead_letter_entries(view, limit):
+                out.append(DeadLetter.from_entry(view, entry_id, fields))
+        out.sort(key=lambda d: d.dead_at or datetime.min.replace(tzinfo=UTC))
+        return out[:limit] if limit is not None else out
+
+    async def count(self, *, group: str | None = None, destination: str | None = None) -> int:
+        """How many dead letters match."""
+        total = 0
+        for view in await self._views(group, destination):
+            total += int(await self.broker.redis.xlen(view.keys.dlq))
+        return total
+
+    async def get(self, ident: str) -> DeadLetter:
+        """The dead letter with this ref or message id; KeyError if none, ValueError if ambiguous."""
+        matches = await self._resolve([ident])
+        if not matches:
+            raise KeyError(f"no dead letter {ident!r} (use `framework dlq list` to see them)")
+        if len(matches) > 1:
+            refs = ", ".join(m.ref for m in matches)
+            raise ValueError(f"message id {ident!r} is dead in several groups ({refs}); name one by its ref")
+        return matches[0]
+
+    async def _resolve(self, idents: Iterable[str]) -> list[DeadLetter]:
+        wanted = set(idents)
+        refs = {i for i in wanted if i.count("/") == 3}
+        found = []
+        for d in await self.list():
+            if d.ref in refs or d.message_id in wanted:
+                found.append(d)
+        return found
+
+    async def _select(self, idents: Iterable[str] | None, group: str | None, destination: str | None,
+                      everything: bool) -> list[DeadLetter]:
+        idents = list(idents or [])
+        if idents:
+            found = await self._resolve(idents)
+            missing = set(idents) - {d.ref for d in found} - {d.message_id for d in found}
+            if missing:
+                raise KeyError(f"no dead letter {', '.join(sorted(missing))}")
+            return found
+        if not (group or destination or everything):
+            raise ValueError("name dead letters by id, or select them with a group/destination, or all")
+        return await self.list(group=group, destination=destination)
+
+    async def redrive(self, idents: Iterable[str] | None = None, *, group: str | None = None,
+                      destination: str | None = None, everything: bool = False,
+                      rate: float | None = None) -> int:
+        """Give dead letters back to their failing group only (as first attempts); returns how many.
+
+        ``rate`` caps the moves per second, so a large DLQ does not flood a recovering service.
+        """
+        moved = 0
+        for d in await self._select(idents, group, destination, everything):
+            spec = await self.broker.get_destination(d.destination)
+            if spec is None:
+                continue
+            view = self.broker.group_partition(spec, d.partition, d.group)
+            if await self.broker.redrive(view, d.entry_id) is not None:
+                moved += 1
+                if rate:
+                    await anyio.sleep(1 / rate)
+        return moved
+
+    async def purge(self, idents: Iterable[str] | None = None, *, group: str | None = None,
+                    destination: str | None = None, everything: bool = False) -> int:
+        """Delete dead letters for good; returns how many."""
+        removed = 0
+        for d in await self._select(idents, group, destination, everything):
+            spec = await self.broker.get_destination(d.destination)
+            if spec is not None:
+                view = self.broker.group_partition(spec, d.partition, d.group)
+                removed += await self.broker.purge_dead_letters(view, [d.entry_id])
+        return removed
