@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -381,7 +382,9 @@ class RedisBroker:
 
     # -- dead letters and subscriptions ------------------------------------------------------------
 
-    async def dead_letter_entries(self, view: GroupPartition, count: int | None = None) -> list[tuple[str, dict[bytes, bytes]]]:
+    async def dead_letter_entries(
+        self, view: GroupPartition, count: int | None = None
+    ) -> list[tuple[str, dict[bytes, bytes]]]:
         """The group's dead letters on this partition, oldest first: (DLQ entry id, fields)."""
         args: list[Any] = ["XRANGE", view.keys.dlq, "-", "+"]
         if count is not None:
@@ -405,10 +408,8 @@ class RedisBroker:
         for p in range(spec.partitions):
             view = self.group_partition(spec, p, group)
             for stream in (view.stream, view.keys.redeliver):
-                try:
+                with contextlib.suppress(ResponseError):
                     await self.redis.xgroup_destroy(stream, group)
-                except ResponseError:
-                    pass
             keys = view.keys
             await self.redis.delete(keys.redeliver, keys.delayed, keys.dlq, keys.inbox, keys.leases, keys.attempts)
         await self.redis.hdel(self.keyspace.subscriptions, f"{spec.name}|{group}")

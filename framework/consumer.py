@@ -234,8 +234,8 @@ class Consumer:
                     else:
                         await fn(payload)
                 else:
-                    call = functools.partial(fn, payload, ctx) if handler.takes_context else functools.partial(fn, payload)
-                    await anyio.to_thread.run_sync(call, limiter=self.runtime.thread_limiter)
+                    args = (payload, ctx) if handler.takes_context else (payload,)
+                    await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.runtime.thread_limiter)
                 return ctx
             except Exception as exc:
                 self.stats.failed += 1

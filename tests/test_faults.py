@@ -183,7 +183,7 @@ def test_sigkill_during_dead_lettering_leaves_exactly_one_dlq_entry_per_message(
     for delay in (0.25, 0.35, 0.45, 0.55, 0.65):  # kill at different points of the DLQ moves
         w = workers.start("faultapp:poison", "w", "--concurrency", "1", "--prefetch", "5",
                           "--visibility-timeout", "30", JOB_SLEEP="0.004")
-        wait_for(lambda: r.exists(dlq) or w.poll() is not None, 30, "the first dead letter")
+        wait_for(lambda w=w: r.exists(dlq) or w.poll() is not None, 30, "the first dead letter")
         time.sleep(delay / 5)
         w.send_signal(signal.SIGKILL)
         w.wait()
