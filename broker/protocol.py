@@ -130,8 +130,13 @@ class Broker(Protocol):
         """Take over entries idle for at least ``min_idle_ms`` from any consumer of the group."""
         ...
 
-    async def extend(self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery]) -> set[str]:
+    async def extend(self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery],
+                     *, lease_ms: int = 60_000) -> set[str]:
         """Reset the idle time of deliveries ``consumer`` still owns; return their entry ids."""
+        ...
+
+    async def inbox_claim(self, source: GroupPartition, deliveries: Sequence[Delivery], lease_ms: int) -> list[int]:
+        """Per delivery: 0 leased to the caller, 1 already processed, 2 leased elsewhere."""
         ...
 
     async def ack(self, source: GroupPartition, deliveries: Sequence[Delivery], *, inbox: bool = False) -> int:

@@ -274,16 +274,61 @@ class RedisBroker:
             out += self._deliveries(source, [[stream, entries]], counts)
         return out
 
-    async def extend(self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery]) -> set[str]:
-        """Touch deliveries ``consumer`` still owns so they are not claimed; return the owned ids."""
+    async def extend(self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery],
+                     *, lease_ms: int = 60_000) -> set[str]:
+        """Touch deliveries ``consumer`` still owns so they are not claimed, and extend their inbox
+        leases by ``lease_ms``; return the entry ids still owned."""
         owned: set[str] = set()
-        by_stream: dict[str, list[str]] = defaultdict(list)
+        by_stream: dict[str, list[Delivery]] = defaultdict(list)
         for d in deliveries:
-            by_stream[d.stream].append(d.entry_id)
-        for stream, ids in by_stream.items():
-            reply = await self.scripts["extend"](self.redis, [stream], [source.group, consumer, *ids])
+            by_stream[d.stream].append(d)
+        expiry = now_ms() + lease_ms
+        for stream, items in by_stream.items():
+            args = [source.group, consumer, expiry, len(items), *(d.entry_id for d in items),
+                    *(d.message_id for d in items)]
+            reply = await self.scripts["extend"](self.redis, [stream, source.keys.leases], args)
             owned.update(_text(i) for i in reply)
         return owned
+
+    async def inbox_claim(self, source: GroupPartition, deliveries: Sequence[Delivery], lease_ms: int) -> list[int]:
+        """Check deliveries against the group's inbox and lease the new ones, in one call.
+
+        Returns a status per delivery: 0 leased to us (run it), 1 already processed (ack it),
+        2 leased elsewhere (leave it pending). Redelivered entries take over stale leases.
+        """
+        first = [d for d in deliveries if d.delivery_count == 1]
+        again = [d for d in deliveries if d.delivery_count != 1]
+        args = [now_ms(), lease_ms, len(first), *(d.message_id for d in first), *(d.message_id for d in again)]
+        reply = await self.scripts["inbox_claim"](self.redis, [source.keys.inbox, source.keys.leases], args)
+        status = dict(zip((id(d) for d in [*first, *again]), (int(x) for x in reply), strict=True))
+        return [status[id(d)] for d in deliveries]
+
+    async def trim_inbox(self, source: GroupPartition, older_than_ms: int) -> int:
+        """Forget processed ids recorded before ``older_than_ms`` (the dedup window's end)."""
+        return int(await self.redis.zremrangebyscore(source.keys.inbox, "-inf", older_than_ms))
+
+    async def commit_effects(self, delivery: Delivery, commands: Sequence[Sequence[Any]], keys: Sequence[str],
+                             outgoing: Sequence[Envelope] = ()) -> bool:
+        """Apply ``commands``, publish ``outgoing``, mark the inbox and ack, atomically.
+
+        Returns False (and only acks) when the message was already processed. On a Cluster every
+        key must share the delivery's hash tag, and ``outgoing`` must be empty (publish it first).
+        """
+        source = delivery.source
+        calls: list[list[Any]] = [list(c) for c in commands]
+        out_keys: list[str] = []
+        for env in outgoing:
+            spec = await self._spec_for(env.destination, env.kind)
+            stream = self.keyspace.partition(spec.name, spec.partition_for(env.key, env.id)).stream
+            out_keys.append(stream)
+            calls.append(["XADD", stream, "*", *encode_fields(env)])
+        flat: list[Any] = []
+        for c in calls:
+            flat += (len(c), *c)
+        script_keys = [delivery.stream, source.keys.inbox, source.keys.leases, source.keys.attempts, *keys, *out_keys]
+        delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
+        args = [source.group, delete, now_ms(), delivery.entry_id, delivery.message_id, len(calls), *flat]
+        return bool(await self.scripts["commit_effects"](self.redis, script_keys, args))
 
     # -- settling ------------------------------------------------------------------------------
 

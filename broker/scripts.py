@@ -16,7 +16,8 @@ from redis.exceptions import NoScriptError
 
 __all__ = ["Script", "load_scripts"]
 
-_NAMES = ("ack", "dead_letter", "retry_later", "move_due", "extend", "trim", "publish_once", "redrive")
+_NAMES = ("ack", "dead_letter", "retry_later", "move_due", "extend", "trim", "publish_once", "redrive", "inbox_claim",
+          "commit_effects")
 
 
 class Script:

@@ -23,6 +23,7 @@ import attrs
 from broker import Delivery, GroupPartition, now_ms
 from framework.context import Context
 from framework.dead_letters import exception_reason, poison_reason
+from framework.effects import AlreadyProcessed
 from framework.logs import get_logger
 from framework.payloads import PayloadError
 from framework.retry import Decision
@@ -37,6 +38,7 @@ __all__ = ["Consumer", "ConsumerStats"]
 log = get_logger("framework.consumer")
 
 Work = tuple[Delivery, Any]  # a delivery and its decoded payload
+_SETTLED: Any = object()  # a run whose effects were committed together with its ack
 
 
 @attrs.define
@@ -92,8 +94,7 @@ class Consumer:
                 tg.start_soon(supervise, f"{name}.claims", self._every, settings.claim_interval, self._claim, state)
                 tg.start_soon(supervise, f"{name}.extend", self._every, settings.extend_interval, self._extend, state)
                 tg.start_soon(supervise, f"{name}.retries", self._every, settings.retry_interval, self._move_due, state)
-            if self.handler.destination.spec().is_topic:
-                tg.start_soon(supervise, f"{self.handler.label}.trim", self._every, settings.trim_interval, self._trim)
+            tg.start_soon(supervise, f"{self.handler.label}.trim", self._every, settings.trim_interval, self._trim)
 
     async def _fetchers_guarded(self, state: _PartitionState, name: str) -> None:
         with anyio.CancelScope() as scope:
@@ -165,11 +166,14 @@ class Consumer:
         for d in deliveries:
             held[d.entry_id] = (d, now)
         state.in_flight += len(deliveries)
-        for d in deliveries:
+        runnable = [d for d in deliveries if d.envelope is not None]
+        poison += [(d, poison_reason(handler, d, f"undecodable message: {d.error}"))
+                   for d in deliveries if d.envelope is None]
+        if handler.inbox and runnable:
+            runnable = await self._check_inbox(state, runnable)
+        for d in runnable:
             env = d.envelope
-            if env is None:
-                poison.append((d, poison_reason(handler, d, f"undecodable message: {d.error}")))
-                continue
+            assert env is not None
             try:
                 payload = decode(env.body)
                 lane_key = key_fn(payload) if key_fn is not None else env.key
@@ -189,6 +193,27 @@ class Consumer:
             await self._dead_letter(state, d, reason)
         lanes.submit(self, state, by_lane)
 
+    async def _check_inbox(self, state: _PartitionState, deliveries: list[Delivery]) -> list[Delivery]:
+        """Ack duplicates at once, leave messages leased elsewhere pending; return those to run."""
+        lease_ms = int(self.runtime.settings.visibility_timeout * 1000)
+        try:
+            statuses = await self.runtime.broker.inbox_claim(state.view, deliveries, lease_ms)
+        except BaseException:
+            self._forget(state, deliveries)
+            raise
+        run: list[Delivery] = []
+        duplicates: list[Delivery] = []
+        elsewhere: list[Delivery] = []
+        for d, status in zip(deliveries, statuses, strict=True):
+            (run, duplicates, elsewhere)[status].append(d)
+        if duplicates:
+            self.stats.duplicates += len(duplicates)
+            state.ack_buffer += duplicates
+            state.ack_wakeup.set()
+        if elsewhere:  # the same message id is being processed by another consumer right now
+            self._forget(state, elsewhere)
+        return run
+
     # -- processing (runs in lanes) -------------------------------------------------------------------
 
     async def process(self, state: _PartitionState, works: Sequence[Work]) -> None:
@@ -202,6 +227,8 @@ class Consumer:
                 ctx = await run(state, d, payload, d.envelope.attempt)  # type: ignore[union-attr]
             else:
                 ctx = await self._run_suspect(state, d, payload)
+            if ctx is _SETTLED:
+                continue
             if ctx is not None:
                 if ctx._outgoing:
                     outgoing += ctx._outgoing
@@ -226,7 +253,7 @@ class Consumer:
         fn = handler.fn
         policy = handler.retry
         while True:
-            ctx = Context(d, handler, attempt)
+            ctx = Context(d, handler, attempt, self.runtime.broker)
             try:
                 if handler.is_async:
                     if handler.takes_context:
@@ -236,7 +263,12 @@ class Consumer:
                 else:
                     args = (payload, ctx) if handler.takes_context else (payload,)
                     await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.runtime.thread_limiter)
+                if ctx._effects is not None:
+                    return await self._commit_effects(state, d, ctx)
                 return ctx
+            except AlreadyProcessed:
+                self.stats.duplicates += 1
+                return ctx  # acked like a success; whatever it staged before finding out is dropped
             except Exception as exc:
                 self.stats.failed += 1
                 decision = policy.decide(attempt, exc)
@@ -249,6 +281,27 @@ class Consumer:
                     continue
                 await self._settle_failure(state, d, attempt, exc, decision)
                 return None
+
+    async def _commit_effects(self, state: _PartitionState, d: Delivery, ctx: Context) -> Any:
+        """Commit a handler's Redis writes, outgoing messages, inbox mark and ack in one step."""
+        effects = ctx._effects
+        assert effects is not None
+        broker = self.runtime.broker
+        outgoing = [env for env, _ in ctx._outgoing]
+        if broker.cluster and outgoing:  # other slots: publish first (deterministic ids dedup a repeat)
+            await self.runtime.publish_outgoing(ctx._outgoing)
+            outgoing = []
+        else:
+            for _, spec in ctx._outgoing:
+                if spec is not None:
+                    await broker.declare(spec)
+        applied = await broker.commit_effects(d, effects.commands, effects.keys, outgoing)
+        if applied:
+            self.stats.processed += 1
+        else:
+            self.stats.duplicates += 1
+        self._forget(state, [d])
+        return _SETTLED
 
     async def _run_suspect(self, state: _PartitionState, d: Delivery, payload: Any) -> Context | None:
         """Run a redelivered message alone in the process (see :meth:`_count_redelivery`).
@@ -359,7 +412,7 @@ class Consumer:
             return
         batch, state.ack_buffer = state.ack_buffer, []
         try:
-            await self.runtime.broker.ack(state.view, batch, inbox=False)
+            await self.runtime.broker.ack(state.view, batch, inbox=self.handler.inbox)
         except BaseException:
             state.ack_buffer[:0] = batch  # acks are idempotent: keep them for the next flush
             raise
@@ -384,7 +437,8 @@ class Consumer:
         horizon = time.monotonic() - self.runtime.settings.extend_interval
         old = [d for d, t in list(state.held.values()) if t < horizon]
         if old:
-            owned = await self.runtime.broker.extend(state.view, self.runtime.consumer_name, old)
+            lease_ms = int(self.runtime.settings.visibility_timeout * 1000)
+            owned = await self.runtime.broker.extend(state.view, self.runtime.consumer_name, old, lease_ms=lease_ms)
             lost = len(old) - len(owned)
             if lost:
                 self._log.warning("entries were claimed by another consumer while held here", count=lost)
@@ -393,7 +447,11 @@ class Consumer:
         await self.runtime.broker.move_due(state.view, now_ms())
 
     async def _trim(self) -> None:
+        """Apply the topic's retention and forget inbox records older than the dedup window."""
         spec = self.handler.destination.spec()
         now = now_ms()
-        for p in range(spec.partitions):
-            await self.runtime.broker.trim(spec, p, now)
+        broker = self.runtime.broker
+        for state in self.states.values():
+            await broker.trim(spec, state.view.partition, now)
+            if self.handler.inbox:
+                await broker.trim_inbox(state.view, now - int(self.runtime.settings.inbox_window * 1000))

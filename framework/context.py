@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import Any
 
 from broker import COMMAND, EVENT, Delivery, Envelope, derive_id
 from broker.headers import CAUSATION_ID, CORRELATION_ID
+from framework.effects import RedisEffects, sql_transaction
 from framework.messages import Outgoing, build_envelope
 from framework.service import Handler, Queue, Topic
 
@@ -36,12 +38,14 @@ class Context:
     ``send``/``publish`` work from sync and async handlers; ``await`` on them is optional.
     """
 
-    __slots__ = ("_delivery", "_handler", "_outgoing", "attempt")
+    __slots__ = ("_broker", "_delivery", "_effects", "_handler", "_outgoing", "attempt")
 
-    def __init__(self, delivery: Delivery, handler: Handler, attempt: int) -> None:
+    def __init__(self, delivery: Delivery, handler: Handler, attempt: int, broker: Any = None) -> None:
         self._delivery = delivery
         self._handler = handler
         self._outgoing: list[Outgoing] = []
+        self._effects: RedisEffects | None = None
+        self._broker = broker
         self.attempt = attempt
         """This attempt's number (1 for the first), counting retries and crash redeliveries."""
 
@@ -110,6 +114,34 @@ class Context:
     def outgoing(self) -> list[Outgoing]:
         """Messages staged so far (sent after the handler succeeds)."""
         return self._outgoing
+
+    @property
+    def hash_tag(self) -> str:
+        """The message's Cluster hash tag: keys written in a Redis transaction must carry it on a Cluster."""
+        return "{" + f"{self.destination}:{self.partition}" + "}"
+
+    @property
+    def redis(self) -> Any:
+        """The broker's async Redis client, for reads (and writes outside exactly-once guarantees)."""
+        return self._broker.redis if self._broker is not None else None
+
+    def redis_transaction(self) -> RedisEffects:
+        """Writes applied atomically with the inbox mark, outgoing messages and the ack (exactly once).
+
+        Call it once per handler run; see :class:`framework.effects.RedisEffects`.
+        """
+        if self._effects is None:
+            self._effects = RedisEffects()
+        return self._effects
+
+    def sql_transaction(self, engine: Any) -> AbstractAsyncContextManager[Any]:
+        """A SQL transaction that records this message in the inbox table first (exactly-once effects).
+
+        ``async with ctx.sql_transaction(engine) as conn: ...``. A message already recorded raises
+        :class:`~framework.effects.AlreadyProcessed` (the runtime acks it as a duplicate). Messages
+        staged inside the block are written to the outbox table in the same transaction.
+        """
+        return sql_transaction(self, engine)
 
     def _stage(self, kind: str, destination: str | Queue | Topic, payload: Any, key: str | None,
                headers: Mapping[str, str] | None, type: str | None) -> _Staged:

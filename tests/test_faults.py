@@ -194,3 +194,35 @@ def test_sigkill_during_dead_lettering_leaves_exactly_one_dlq_entry_per_message(
     ids = [fields[b"id"] for _, fields in r.xrange(dlq)]
     assert len(ids) == total and len(set(ids)) == total  # none lost, none doubled
     assert r.xinfo_groups(stream)[0]["pending"] == 0
+
+
+def test_exactly_once_redis_effects_under_repeated_worker_kills(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    total = 3000
+    queue = Queue("wallet.credit", partitions=2)
+    with SyncClient(redis_url, namespace=namespace) as client:
+        client.send_many(queue, [{"n": str(i), "account": f"acct-{i % 7}", "amount": 1} for i in range(total)])
+    opts = ("--visibility-timeout", "1", "--prefetch", "100", "--concurrency", "16")
+    applied = lambda: r.hlen(f"{namespace}:test:applied")  # noqa: E731
+    kills = 0
+    for round_ in range(4):
+        a = workers.start("faultapp:wallet", f"a{round_}", *opts, JOB_SLEEP="0.001")
+        b = workers.start("faultapp:wallet", f"b{round_}", *opts, JOB_SLEEP="0.001")
+        start = applied()
+        wait_for(lambda start=start: applied() > start + 200 or applied() == total, 60, "progress")
+        for p in (a, b):
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            kills += 1
+    last = workers.start("faultapp:wallet", "z", *opts, JOB_SLEEP="0")
+    wait_for(lambda: applied() == total and sum(
+        r.xlen(f"{namespace}:{{wallet.credit:{p}}}") for p in (0, 1)) == 0, 120, "every credit")
+    last.send_signal(signal.SIGTERM)
+    assert last.wait(timeout=30) == 0
+    counts = [int(v) for v in r.hvals(f"{namespace}:test:applied")]
+    assert len(counts) == total and set(counts) == {1}, "a credit was lost or applied twice"
+    balances = {k.decode(): int(v) for k, v in r.hgetall(f"{namespace}:test:balance").items()}
+    assert sum(balances.values()) == total
+    assert kills == 8

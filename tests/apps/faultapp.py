@@ -48,3 +48,18 @@ def reject(cmd: dict) -> None:
     """Every message is rejected with a fatal error: each goes straight to the DLQ."""
     time.sleep(SLEEP)
     raise ValueError(f"rejected {cmd['n']}")
+
+
+wallet = Service("wallet")
+
+
+@wallet.command(Queue("wallet.credit", partitions=2))
+async def credit(cmd: dict, ctx: Context) -> None:
+    """Credits an account exactly once: the write commits with the inbox mark and the ack."""
+    if SLEEP:
+        import anyio
+
+        await anyio.sleep(SLEEP)
+    tx = ctx.redis_transaction()
+    tx.hincrby(f"{NS}:test:balance", cmd["account"], cmd["amount"])
+    tx.hincrby(f"{NS}:test:applied", cmd["n"], 1)

