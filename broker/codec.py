@@ -22,7 +22,7 @@ import orjson
 from broker.envelope import Envelope, Kind
 from broker.errors import DecodeError
 
-__all__ = ["decode_fields", "encode_fields"]
+__all__ = ["decode_fields", "decode_flat", "encode_fields", "fields_of"]
 
 
 def encode_fields(envelope: Envelope) -> list[bytes | str | int]:
@@ -72,3 +72,33 @@ def decode_fields(fields: Mapping[bytes, bytes], destination: str, kind: Kind) -
         published_at=published_at,
         attempt=attempt,
     )
+
+
+def fields_of(flat: list[bytes]) -> dict[bytes, bytes]:
+    """The field/value list of a raw stream entry as a dict."""
+    it = iter(flat)
+    return dict(zip(it, it, strict=False))
+
+
+def decode_flat(flat: list[bytes], destination: str, kind: Kind) -> Envelope:
+    """Like :func:`decode_fields` on a raw field/value list; fast when it is in :func:`encode_fields` order."""
+    if len(flat) >= 8 and flat[0] == b"id" and flat[2] == b"type" and flat[4] == b"body" and flat[6] == b"ts":
+        key = None
+        headers: dict[str, str] = {}
+        attempt = 1
+        try:
+            for i in range(8, len(flat) - 1, 2):
+                name = flat[i]
+                if name == b"key":
+                    key = flat[i + 1].decode()
+                elif name == b"headers":
+                    headers = orjson.loads(flat[i + 1])
+                elif name == b"attempt":
+                    attempt = int(flat[i + 1])
+            env = Envelope(destination, kind, flat[3].decode(), flat[5], key, headers, flat[1].decode(),
+                           int(flat[7]), attempt)
+        except (ValueError, UnicodeDecodeError, orjson.JSONDecodeError):
+            return decode_fields(fields_of(flat), destination, kind)  # slow path names the problem
+        if type(headers) is dict:
+            return env
+    return decode_fields(fields_of(flat), destination, kind)

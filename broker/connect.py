@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aredis
@@ -12,6 +13,7 @@ from redis.exceptions import RedisError
 from broker.embedded import EmbeddedServer
 from broker.errors import BrokerUnavailable
 from broker.redis_broker import RedisBroker
+from broker.wire import connection_class_for
 
 __all__ = ["connect", "default_namespace", "redact", "resolve_url"]
 
@@ -56,7 +58,8 @@ async def connect(
     """
     explicit = bool(url or os.environ.get("REDIS_URL"))
     resolved = resolve_url(url, data_dir)
-    kwargs = {"protocol": 2, "socket_connect_timeout": 5, "socket_keepalive": True}
+    kwargs: dict[str, Any] = {"protocol": 2, "socket_connect_timeout": 5, "socket_keepalive": True,
+                              "connection_class": connection_class_for(resolved)}
     if max_connections:
         kwargs["max_connections"] = max_connections
     client = aredis.Redis.from_url(resolved, **kwargs)

@@ -62,17 +62,23 @@ class Delivery:
     """One delivery of a stream entry to a consumer of a group.
 
     ``envelope`` is None when the entry could not be decoded; ``error`` then says why, and the
-    raw ``fields`` are kept for the dead-letter entry. ``delivery_count`` counts deliveries of
+    raw fields are kept for the dead-letter entry. ``delivery_count`` counts deliveries of
     this entry (1 on first read; raised by redelivery after a crash or claim).
     """
 
     source: GroupPartition
     stream: str
     entry_id: str
-    fields: dict[bytes, bytes]
+    raw: list[bytes]  # the entry's field/value list as stored
     envelope: Envelope | None
     error: str | None = None
     delivery_count: int = 1
+
+    @property
+    def fields(self) -> dict[bytes, bytes]:
+        """The entry's fields as a dict (built on demand: only failure paths need it)."""
+        it = iter(self.raw)
+        return dict(zip(it, it, strict=False))
 
     @property
     def attempt(self) -> int:

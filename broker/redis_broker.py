@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 from redis.exceptions import NoScriptError, ResponseError
 
-from broker.codec import decode_fields, encode_fields
+from broker.codec import decode_flat, encode_fields
 from broker.envelope import Envelope, Kind, now_ms
 from broker.errors import ConfigurationError, DecodeError
 from broker.headers import FIRST_FAILED_AT, IDEMPOTENCY_KEY
@@ -209,21 +209,19 @@ class RedisBroker:
         name, kind = source.spec.name, source.spec.kind
         if isinstance(reply, dict):  # RESP3 servers/clients answer with a map
             reply = list(reply.items())
+        append = out.append
         for stream_name, entries in reply:
             stream = _text(stream_name)
             for entry_id, flat in entries:
-                eid = _text(entry_id)
+                eid = entry_id.decode()
                 count = counts.get(eid, 1) if counts is not None else 1
                 if flat is None:  # deleted from the stream while pending
-                    out.append(Delivery(source, stream, eid, {}, None, "entry was deleted while pending", count))
+                    append(Delivery(source, stream, eid, [], None, "entry was deleted while pending", count))
                     continue
-                fields = dict(zip(flat[::2], flat[1::2], strict=True))
                 try:
-                    env = decode_fields(fields, name, kind)
+                    append(Delivery(source, stream, eid, flat, decode_flat(flat, name, kind), None, count))
                 except DecodeError as exc:
-                    out.append(Delivery(source, stream, eid, fields, None, str(exc), count))
-                else:
-                    out.append(Delivery(source, stream, eid, fields, env, None, count))
+                    append(Delivery(source, stream, eid, flat, None, str(exc), count))
         return out
 
     async def read(self, source: GroupPartition, consumer: str, count: int, block_ms: int) -> list[Delivery]:
@@ -371,7 +369,7 @@ class RedisBroker:
         for k, v in reason.items():
             flat += (k, v)
         if not flat:
-            flat = ["dlq-empty", "1"]
+            flat = ["dlq-empty", "1"]  # the entry was deleted: keep a record all the same
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
         reply = await self.scripts["dead_letter"](
             self.redis,
@@ -480,11 +478,10 @@ class RedisBroker:
         """Turn raw XRANGE rows of ``stream`` into deliveries (used by DLQ tools and tests)."""
         out = []
         for entry_id, flat in entries:
-            fields = dict(zip(flat[::2], flat[1::2], strict=True))
             try:
-                env: Envelope | None = decode_fields(fields, source.spec.name, source.spec.kind)
+                env: Envelope | None = decode_flat(flat, source.spec.name, source.spec.kind)
                 err = None
             except DecodeError as exc:
                 env, err = None, str(exc)
-            out.append(Delivery(source, stream, _text(entry_id), fields, env, err))
+            out.append(Delivery(source, stream, _text(entry_id), flat, env, err))
         return out

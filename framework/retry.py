@@ -87,7 +87,7 @@ class RetryPolicy:
     def decide(self, attempt: int, exc: BaseException) -> Decision:
         """The decision after attempt ``attempt`` failed with ``exc``."""
         if self.is_fatal(exc):
-            return Decision("dead", reason=f"fatal error {type(exc).__name__}")
+            return Decision("dead", reason="fatal error (not retried)")
         if attempt >= self.max_attempts:
             return Decision("dead", reason=f"failed {attempt} of {self.max_attempts} attempts")
         if isinstance(exc, RetryAfter):

@@ -97,7 +97,7 @@ async def test_fatal_exception_goes_to_the_dlq_at_the_first_attempt(redis_url: s
         await h.run_until_idle()
         [dead] = await DeadLetters(h.broker).list()
     assert calls == 1 and dead.attempts == 1
-    assert dead.reason.startswith("fatal error PaymentDeclined")
+    assert dead.reason.startswith("fatal error (not retried): PaymentDeclined: card expired")
 
 
 async def test_undecodable_and_invalid_messages_are_dead_lettered_with_the_reason(
