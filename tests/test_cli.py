@@ -1,0 +1,120 @@
+"""The ``framework`` command against a real server: status, send/publish, dlq, errors, server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.conftest import run_cli
+
+
+def test_publish_send_and_status_json(worker_env: dict[str, str]) -> None:
+    out = run_cli("publish", "orders.placed", '{"order_id": "o-1"}', "--key", "o-1", env=worker_env)
+    assert out.returncode == 0, out.stderr
+    message_id = out.stdout.strip()
+    assert len(message_id) == 36
+    assert run_cli("send", "billing.refund", '{"order_id": "o-1"}', env=worker_env).returncode == 0
+    status = run_cli("status", "--json", env=worker_env)
+    assert status.returncode == 0, status.stderr
+    data = {d["name"]: d for d in json.loads(status.stdout)}
+    assert data["orders.placed"]["kind"] == "event" and data["orders.placed"]["depth"] == 1
+    assert data["billing.refund"]["kind"] == "command"
+    table = run_cli("status", env=worker_env)
+    assert "orders.placed" in table.stdout and "topic" in table.stdout
+
+
+def test_bad_arguments_get_one_line_explanations(worker_env: dict[str, str]) -> None:
+    cases = [
+        (["send", "q", "{not json"], "payload is not valid JSON"),
+        (["run", "no_such_module:svc"], "cannot import 'no_such_module'"),
+        (["run", "faultapp:nothing"], "has no attribute 'nothing'; services there:"),
+        (["run", "faultapp:worker", "--concurrency", "0"], "must be at least 1"),
+        (["run", "faultapp:worker", "--visibility-timeout", "soon"], "expected seconds"),
+        (["status", "no.such.destination"], "unknown destination(s): no.such.destination"),
+        (["dlq", "show", "nope"], "no dead letter 'nope'"),
+        (["dlq", "purge", "--all"], "without confirmation: pass --yes"),
+        (["dlq", "redrive"], "say which dead letters"),
+    ]
+    for args, message in cases:
+        out = run_cli(*args, env=worker_env)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert message in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) <= 2, out.stderr
+
+
+def test_an_unreachable_server_says_how_to_start_one(worker_env: dict[str, str]) -> None:
+    out = run_cli("status", env={**worker_env, "REDIS_URL": "redis://127.0.0.1:9/0"})
+    assert out.returncode == 1
+    assert "cannot reach the broker at redis://127.0.0.1:9/0" in out.stderr and "redis-server" in out.stderr
+    out = run_cli("status", "--redis-url", "http://x", env=worker_env)
+    assert out.returncode == 1 and "expected redis://" in out.stderr
+
+
+def test_dlq_commands_list_show_redrive_and_purge(worker_env: dict[str, str], redis_url: str, namespace: str) -> None:
+    for n in range(3):
+        assert run_cli("send", "poison.jobs", json.dumps({"n": n}), env=worker_env).returncode == 0
+    worker = subprocess.Popen([sys.executable, "-m", "framework", "run", "faultapp:poison"], env=worker_env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        r = redis.Redis.from_url(redis_url)
+        deadline = time.monotonic() + 30
+        dlq = f"{namespace}:{{poison.jobs:0}}:g:poison:dlq"
+        while r.xlen(dlq) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    listed = json.loads(run_cli("dlq", "list", "--json", env=worker_env).stdout)
+    assert len(listed) == 3 and {d["group"] for d in listed} == {"poison"}
+    assert all(d["error_type"] == "builtins.ValueError" for d in listed)
+    shown = run_cli("dlq", "show", listed[0]["message_id"], env=worker_env)
+    assert shown.returncode == 0 and "rejected" in shown.stdout and "traceback" in shown.stdout
+    assert "redrove 1" in run_cli("dlq", "redrive", listed[0]["ref"], env=worker_env).stdout
+    assert r.xlen(f"{namespace}:{{poison.jobs:0}}:g:poison:redeliver") == 1
+    assert "purged 2" in run_cli("dlq", "purge", "--group", "poison", "--yes", env=worker_env).stdout
+    assert run_cli("dlq", "list", env=worker_env).stdout.strip() == "no dead letters"
+
+
+def test_python_dash_m_framework_is_the_same_command(worker_env: dict[str, str]) -> None:
+    direct = subprocess.run([str(Path(sys.executable).parent / "framework"), "--help"], capture_output=True,
+                            text=True, env=worker_env)
+    module = run_cli("--help", env=worker_env)
+    assert direct.returncode == module.returncode == 0
+    assert direct.stdout.replace("framework", "") == module.stdout.replace("framework", "")
+    for sub in ("run", "status", "send", "publish", "server", "dlq", "unsubscribe"):
+        assert sub in module.stdout
+
+
+def test_embedded_server_commands(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["FRAMEWORK_HOME"] = str(tmp_path)
+    try:
+        assert run_cli("server", "status", env=env).returncode == 3
+        started = run_cli("server", "start", env=env)
+        assert started.returncode == 0 and "embedded Valkey running at redis://127.0.0.1:" in started.stdout
+        assert "running: redis://" in run_cli("server", "status", env=env).stdout
+        sent = run_cli("send", "q", "{}", env=env)  # uses the embedded server without REDIS_URL
+        assert sent.returncode == 0, sent.stderr
+    finally:
+        assert run_cli("server", "stop", env=env).stdout.strip() == "stopped"
+    assert run_cli("server", "status", env=env).returncode == 3
+
+
+@pytest.mark.slow
+def test_the_demo_runs_end_to_end(worker_env: dict[str, str], namespace: str) -> None:
+    env = {**worker_env, "FRAMEWORK_DEMO_NAMESPACE": namespace}
+    out = subprocess.run([sys.executable, "-m", "example_services.demo", "--orders", "400"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "all checks passed" in out.stdout
