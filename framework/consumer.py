@@ -401,7 +401,8 @@ class Consumer:
     async def _ack_loop(self, state: _PartitionState) -> None:
         interval = self.runtime.settings.ack_interval
         while True:
-            await state.ack_wakeup.wait()
+            if not state.ack_buffer:  # after a failed flush the buffer is not empty: go at once
+                await state.ack_wakeup.wait()
             state.ack_wakeup = anyio.Event()
             if len(state.ack_buffer) < 1000:
                 await anyio.sleep(interval)  # let more acks join this call
