@@ -150,9 +150,22 @@ class EmbeddedServer:
                 return status.url  # type: ignore[return-value]
             return self._start(timeout)
 
+    def _previous_port(self) -> int | None:
+        try:
+            port = int(json.loads(self._state_file.read_text())["port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is fine
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return None
+        return port
+
     def _start(self, timeout: float) -> str:
         binary = _binary()
-        port = _free_port()
+        port = self._previous_port() or _free_port()  # same port again: connected workers reconnect
         conf = self.data_dir / "valkey.conf"
         conf.write_text(
             "\n".join(
@@ -213,5 +226,4 @@ class EmbeddedServer:
                 os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
-            self._state_file.unlink(missing_ok=True)
             return True
