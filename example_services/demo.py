@@ -25,13 +25,16 @@ from rich.table import Table
 
 from broker import connect, resolve_url
 from broker.inspect import describe
-from example_services.quickstart import CHARGES_KEY, PLACE_ORDER, REVENUE_KEY, PlaceOrder
 from framework import SyncClient
 from framework.dlq import DeadLetters
 from framework.testing import delete_namespace
 
 console = Console()
 NAMESPACE = os.environ.get("FRAMEWORK_DEMO_NAMESPACE", "demo")
+os.environ["FRAMEWORK_NAMESPACE"] = NAMESPACE  # before quickstart is imported: its keys live there too
+
+
+from example_services.quickstart import CHARGES_KEY, PLACE_ORDER, REVENUE_KEY, PlaceOrder  # noqa: E402
 
 
 def _start_worker(target: str, name: str, url: str, logs: Path) -> subprocess.Popen[bytes]:

@@ -10,6 +10,8 @@ Run them: ``framework run example_services.quickstart:orders example_services.qu
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 from framework import Context, Queue, RetryPolicy, Service, Topic
@@ -17,8 +19,10 @@ from framework import Context, Queue, RetryPolicy, Service, Topic
 PLACE_ORDER = Queue("orders.place", partitions=2)
 ORDERS_PLACED = Topic("orders.placed", partitions=2)
 PAYMENTS_CAPTURED = Topic("payments.captured")
-REVENUE_KEY = "shop-demo:revenue"  # the demo's own business data, beside the framework's keys
-CHARGES_KEY = "shop-demo:charges"
+# The demo's own business data, kept under the deployment's namespace so runs never collide.
+_NS = os.environ.get("FRAMEWORK_NAMESPACE") or "fw"
+REVENUE_KEY = f"{_NS}:shop-demo:revenue"
+CHARGES_KEY = f"{_NS}:shop-demo:charges"
 
 
 @attrs.frozen
