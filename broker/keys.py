@@ -10,8 +10,8 @@ MULTI that touch a stream and its group keys stay on one Cluster node::
     <ns>:{<dest>:<p>}:g:<group>:redeliver      stream  retries and redrives for that group only
     <ns>:{<dest>:<p>}:g:<group>:delayed        zset    delayed retries: member = JSON entry, score = due ms
     <ns>:{<dest>:<p>}:g:<group>:dlq            stream  the group's dead letters
-    <ns>:{<dest>:<p>}:g:<group>:inbox          zset    processed message ids, score = processed-at ms
-    <ns>:{<dest>:<p>}:g:<group>:leases         zset    ids being processed, score = lease expiry ms
+    <ns>:{<dest>:<p>}:g:<group>:inbox          zset    message ids: score >= 0 processed at (ms, final);
+                                                       score < 0 leased to a running handler until -score ms
     <ns>:{<dest>:<p>}:g:<group>:attempts       hash    id -> attempts started on redeliveries (crash loops)
 
 ``<ns>`` (default ``fw``) separates deployments and test runs sharing one server.
@@ -49,7 +49,6 @@ class PartitionKeys:
             delayed=f"{base}:delayed",
             dlq=f"{base}:dlq",
             inbox=f"{base}:inbox",
-            leases=f"{base}:leases",
             attempts=f"{base}:attempts",
         )
 
@@ -64,7 +63,6 @@ class GroupKeys:
     delayed: str
     dlq: str
     inbox: str
-    leases: str
     attempts: str
 
 

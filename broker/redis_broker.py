@@ -284,7 +284,7 @@ class RedisBroker:
         for stream, items in by_stream.items():
             args = [source.group, consumer, expiry, len(items), *(d.entry_id for d in items),
                     *(d.message_id for d in items)]
-            reply = await self.scripts["extend"](self.redis, [stream, source.keys.leases], args)
+            reply = await self.scripts["extend"](self.redis, [stream, source.keys.inbox], args)
             owned.update(_text(i) for i in reply)
         return owned
 
@@ -294,16 +294,23 @@ class RedisBroker:
         Returns a status per delivery: 0 leased to us (run it), 1 already processed (ack it),
         2 leased elsewhere (leave it pending). Redelivered entries take over stale leases.
         """
-        first = [d for d in deliveries if d.delivery_count == 1]
         again = [d for d in deliveries if d.delivery_count != 1]
+        if not again:  # the common case: one list, statuses in order
+            args = [now_ms(), lease_ms, len(deliveries), *(d.message_id for d in deliveries)]
+            return await self.scripts["inbox_claim"](self.redis, [source.keys.inbox], args)  # type: ignore[no-any-return]
+        first = [d for d in deliveries if d.delivery_count == 1]
         args = [now_ms(), lease_ms, len(first), *(d.message_id for d in first), *(d.message_id for d in again)]
-        reply = await self.scripts["inbox_claim"](self.redis, [source.keys.inbox, source.keys.leases], args)
+        reply = await self.scripts["inbox_claim"](self.redis, [source.keys.inbox], args)
         status = dict(zip((id(d) for d in [*first, *again]), (int(x) for x in reply), strict=True))
         return [status[id(d)] for d in deliveries]
 
     async def trim_inbox(self, source: GroupPartition, older_than_ms: int) -> int:
-        """Forget processed ids recorded before ``older_than_ms`` (the dedup window's end)."""
-        return int(await self.redis.zremrangebyscore(source.keys.inbox, "-inf", older_than_ms))
+        """Forget processed ids recorded before ``older_than_ms`` (the dedup window's end) and leases
+        that expired (their handlers died; a redelivery takes the message over)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zremrangebyscore(source.keys.inbox, 0, older_than_ms)
+        pipe.zremrangebyscore(source.keys.inbox, f"({-now_ms()}", "(0")
+        return sum(int(x) for x in await pipe.execute())
 
     async def commit_effects(self, delivery: Delivery, commands: Sequence[Sequence[Any]], keys: Sequence[str],
                              outgoing: Sequence[Envelope] = ()) -> bool:
@@ -323,7 +330,7 @@ class RedisBroker:
         flat: list[Any] = []
         for c in calls:
             flat += (len(c), *c)
-        script_keys = [delivery.stream, source.keys.inbox, source.keys.leases, source.keys.attempts, *keys, *out_keys]
+        script_keys = [delivery.stream, source.keys.inbox, source.keys.attempts, *keys, *out_keys]
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
         args = [source.group, delete, now_ms(), delivery.entry_id, delivery.message_id, len(calls), *flat]
         return bool(await self.scripts["commit_effects"](self.redis, script_keys, args))
@@ -340,7 +347,7 @@ class RedisBroker:
         now = now_ms()
         calls: list[tuple[str, list[str], list[Any]]] = []
         keys = source.keys
-        script_keys = [keys.inbox, keys.leases, keys.attempts]
+        script_keys = [keys.inbox, keys.attempts]
         for stream, items in by_stream.items():
             delete = "1" if source.deletes_on_ack(stream) else "0"
             for i in range(0, len(items), _ACK_CHUNK):
@@ -373,7 +380,7 @@ class RedisBroker:
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
         reply = await self.scripts["dead_letter"](
             self.redis,
-            [delivery.stream, source.keys.dlq, source.keys.leases, source.keys.attempts],
+            [delivery.stream, source.keys.dlq, source.keys.inbox, source.keys.attempts],
             [source.group, delivery.entry_id, delete, delivery.message_id, *flat],
         )
         return None if reply is None else _text(reply)
@@ -396,7 +403,7 @@ class RedisBroker:
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
         reply = await self.scripts["retry_later"](
             self.redis,
-            [delivery.stream, source.keys.delayed, source.keys.leases, source.keys.attempts],
+            [delivery.stream, source.keys.delayed, source.keys.inbox, source.keys.attempts],
             [source.group, delivery.entry_id, delete, due_ms, delivery.message_id, *flat],
         )
         return bool(reply)
@@ -454,7 +461,7 @@ class RedisBroker:
                 with contextlib.suppress(ResponseError):
                     await self.redis.xgroup_destroy(stream, group)
             keys = view.keys
-            await self.redis.delete(keys.redeliver, keys.delayed, keys.dlq, keys.inbox, keys.leases, keys.attempts)
+            await self.redis.delete(keys.redeliver, keys.delayed, keys.dlq, keys.inbox, keys.attempts)
         await self.redis.hdel(self.keyspace.subscriptions, f"{spec.name}|{group}")
 
     # -- inspection helpers --------------------------------------------------------------------

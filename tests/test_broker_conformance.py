@@ -222,3 +222,21 @@ async def test_undecodable_entries_are_delivered_with_the_reason(broker: RedisBr
     [d] = await broker.read(view, "c", 10, 10)
     assert d.envelope is None and "id" in (d.error or "")
     assert await broker.dead_letter(d, {"dlq-reason": d.error or ""})
+
+
+async def test_inbox_claim_leases_new_ids_and_reports_duplicates(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+    [view] = await broker.subscribe(spec, "billing")
+    original = command("billing.refund", 1)
+    copy = command("billing.refund", 1)
+    copy.id = original.id  # a re-published copy: another entry, the same message id
+    await broker.publish([original, copy])
+    first, second = await broker.read(view, "a", 10, 10)
+    assert await broker.inbox_claim(view, [first], 60_000) == [0]  # leased to us: run it
+    assert await broker.inbox_claim(view, [second], 60_000) == [2]  # running elsewhere: leave it
+    second.delivery_count = 2
+    assert await broker.inbox_claim(view, [second], 60_000) == [0]  # a redelivery takes the lease over
+    await broker.ack(view, [first], inbox=True)
+    assert await broker.inbox_claim(view, [second], 60_000) == [1]  # processed: a duplicate
+    assert await broker.redis.zscore(view.keys.inbox, original.id) > 0
+    assert await broker.trim_inbox(view, now_ms() + 1) == 1  # past the dedup window: forgotten

@@ -84,8 +84,7 @@ async def test_a_failed_message_can_be_retried_and_then_counts_as_processed(redi
         await harness.client.send("q", {}, message_id="x")
         await harness.run_until_idle()
         inbox = harness.broker.group_partition((await harness.broker.get_destination("q")), 0, "s").keys.inbox
-        assert await harness.broker.redis.zscore(inbox, "x") is not None
-        assert await harness.broker.redis.zcard(inbox.replace(":inbox", ":leases")) == 0
+        assert await harness.broker.redis.zscore(inbox, "x") > 0  # final, not a lease
     assert runs == 2  # the failure released the lease; the retry ran; the later copy was dropped
 
 

@@ -1,9 +1,8 @@
 -- ack.lua: acknowledge processed entries of one stream, and make their inbox records final.
 --
 -- KEYS[1]  stream the entries were read from (a partition stream or a group's redeliver stream)
--- KEYS[2]  the group's inbox zset     (member = message id, score = processed-at ms)
--- KEYS[3]  the group's leases zset    (member = message id, score = lease expiry ms)
--- KEYS[4]  the group's attempts hash  (message id -> attempts started on redeliveries)
+-- KEYS[2]  the group's inbox zset     (see inbox_claim.lua; final records replace leases here)
+-- KEYS[3]  the group's attempts hash  (message id -> attempts started on redeliveries)
 -- ARGV[1]  group
 -- ARGV[2]  "1" to XDEL the entries after XACK (queues, redeliver streams), "0" to keep them (topics)
 -- ARGV[3]  now, Unix ms
@@ -18,19 +17,16 @@ for i = 1, n do ids[i] = ARGV[6 + i] end
 local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
 if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(ids)) end
 if m > 0 then
-  local zadd, zrem = {}, {}
+  local zadd = {}
   for i = 1, m do
-    local mid = ARGV[6 + n + i]
     zadd[#zadd + 1] = ARGV[3]
-    zadd[#zadd + 1] = mid
-    zrem[#zrem + 1] = mid
+    zadd[#zadd + 1] = ARGV[6 + n + i]
   end
   redis.call('ZADD', KEYS[2], unpack(zadd))
-  redis.call('ZREM', KEYS[3], unpack(zrem))
 end
 if k > 0 then
   local fields = {}
   for i = 1, k do fields[i] = ARGV[6 + n + m + i] end
-  redis.call('HDEL', KEYS[4], unpack(fields))
+  redis.call('HDEL', KEYS[3], unpack(fields))
 end
 return acked

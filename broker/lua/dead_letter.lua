@@ -2,7 +2,7 @@
 --
 -- KEYS[1]  stream the entry was read from
 -- KEYS[2]  the group's DLQ stream
--- KEYS[3]  the group's leases zset (the message's lease, if any, is released)
+-- KEYS[3]  the group's inbox zset (the message's lease, if it holds one, is released)
 -- KEYS[4]  the group's attempts hash (the message's counter is dropped)
 -- ARGV[1]  group
 -- ARGV[2]  entry id
@@ -19,7 +19,8 @@ local dead = redis.call('XADD', KEYS[2], '*', unpack(fields))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 if ARGV[3] == '1' then redis.call('XDEL', KEYS[1], ARGV[2]) end
 if ARGV[4] ~= '' then
-  redis.call('ZREM', KEYS[3], ARGV[4])
+  local s = redis.call('ZSCORE', KEYS[3], ARGV[4])
+  if s and tonumber(s) < 0 then redis.call('ZREM', KEYS[3], ARGV[4]) end
   redis.call('HDEL', KEYS[4], ARGV[4])
 end
 return dead

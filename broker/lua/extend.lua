@@ -2,7 +2,7 @@
 -- and push out the inbox leases of their messages.
 --
 -- KEYS[1]  stream
--- KEYS[2]  the group's leases zset
+-- KEYS[2]  the group's inbox zset (leases have negative scores; see inbox_claim.lua)
 -- ARGV[1]  group
 -- ARGV[2]  consumer
 -- ARGV[3]  new lease expiry, Unix ms
@@ -16,7 +16,10 @@ for i = 1, n do
   if #p == 1 and p[1][2] == ARGV[2] then
     owned[#owned + 1] = eid
     local mid = ARGV[4 + n + i]
-    if mid ~= '' then redis.call('ZADD', KEYS[2], 'XX', ARGV[3], mid) end
+    if mid ~= '' then
+      local s = redis.call('ZSCORE', KEYS[2], mid)
+      if s and tonumber(s) < 0 then redis.call('ZADD', KEYS[2], -tonumber(ARGV[3]), mid) end
+    end
   end
 end
 if #owned > 0 then

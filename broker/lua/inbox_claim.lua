@@ -1,7 +1,7 @@
 -- inbox_claim.lua: check a fetched batch against the group's inbox and lease the new messages.
 --
--- KEYS[1]  the group's inbox zset   (member = message id, score = processed-at ms)
--- KEYS[2]  the group's leases zset  (member = message id, score = lease expiry ms)
+-- KEYS[1]  the group's inbox zset: member = message id; score >= 0: processed at that Unix ms
+--          (final); score < 0: leased to a running handler until -score Unix ms
 -- ARGV[1]  now, Unix ms
 -- ARGV[2]  lease length, ms
 -- ARGV[3]  n, first-delivery ids that follow (they respect a live lease held elsewhere)
@@ -9,22 +9,29 @@
 -- ARGV[4+n .. end] redelivered message ids (their previous holder timed out or is us: take over)
 -- Returns one status per id, in order: 0 = leased to the caller (run it), 1 = already processed
 -- (a duplicate: ack it without running), 2 = being processed elsewhere under a live lease.
+-- One ZMSCORE and one variadic ZADD for the whole batch keep the cost per message low.
 local now = tonumber(ARGV[1])
-local expiry = now + tonumber(ARGV[2])
+local lease = -(now + tonumber(ARGV[2]))
 local n = tonumber(ARGV[3])
+local ids = {}
+for i = 4, #ARGV do ids[#ids + 1] = ARGV[i] end
+local scores = redis.call('ZMSCORE', KEYS[1], unpack(ids))
 local out = {}
-for i = 4, #ARGV do
-  local id = ARGV[i]
-  if redis.call('ZSCORE', KEYS[1], id) then
-    out[#out + 1] = 1
+local zadd = {}
+local taken = {}
+for i = 1, #ids do
+  local id = ids[i]
+  local s = scores[i] and tonumber(scores[i])
+  if s and s >= 0 then
+    out[i] = 1
+  elseif (s and -s > now and i <= n) or taken[id] then
+    out[i] = 2  -- a live lease elsewhere, or a second copy in this very batch (the first one runs)
   else
-    local lease = redis.call('ZSCORE', KEYS[2], id)
-    if lease and tonumber(lease) > now and i <= 3 + n then
-      out[#out + 1] = 2
-    else
-      redis.call('ZADD', KEYS[2], expiry, id)
-      out[#out + 1] = 0
-    end
+    taken[id] = true
+    zadd[#zadd + 1] = lease
+    zadd[#zadd + 1] = id
+    out[i] = 0
   end
 end
+if #zadd > 0 then redis.call('ZADD', KEYS[1], unpack(zadd)) end
 return out

@@ -2,13 +2,13 @@
 --
 -- KEYS[1]  stream the entry was read from
 -- KEYS[2]  the group's delayed zset (member = cmsgpack of the entry's field/value list, score = due ms)
--- KEYS[3]  the group's leases zset
+-- KEYS[3]  the group's inbox zset (the message's lease, if it holds one, is released)
 -- KEYS[4]  the group's attempts hash (the message's counter is dropped)
 -- ARGV[1]  group
 -- ARGV[2]  entry id
 -- ARGV[3]  "1" to XDEL the entry after XACK, "0" to keep it
 -- ARGV[4]  due time, Unix ms
--- ARGV[5]  message id (its lease is released)
+-- ARGV[5]  message id
 -- ARGV[6 .. end]  field/value pairs to deliver again (attempt already raised)
 -- Returns 1, or 0 when the entry is no longer pending for the group.
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
@@ -19,7 +19,8 @@ redis.call('ZADD', KEYS[2], ARGV[4], cmsgpack.pack(fields))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 if ARGV[3] == '1' then redis.call('XDEL', KEYS[1], ARGV[2]) end
 if ARGV[5] ~= '' then
-  redis.call('ZREM', KEYS[3], ARGV[5])
+  local s = redis.call('ZSCORE', KEYS[3], ARGV[5])
+  if s and tonumber(s) < 0 then redis.call('ZREM', KEYS[3], ARGV[5]) end
   redis.call('HDEL', KEYS[4], ARGV[5])
 end
 return 1
