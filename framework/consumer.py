@@ -313,7 +313,17 @@ class Consumer:
         async with self.runtime.suspect_lock:
             if not await self._count_redelivery(state, d):
                 return None
-            return await self._run(state, d, payload, d.attempt)
+            ctx = await self._run(state, d, payload, d.attempt)
+            if ctx is None or ctx is _SETTLED:
+                return ctx
+            # Settle before the next suspect starts: if that one kills the process, this one's
+            # success is already durable and is not counted against it.
+            if ctx._outgoing:
+                await self.runtime.publish_outgoing(ctx._outgoing)
+            await self.runtime.broker.ack(state.view, [d], inbox=self.handler.inbox)
+            self.stats.processed += 1
+            self._forget(state, [d])
+            return _SETTLED
 
     async def _count_redelivery(self, state: _PartitionState, d: Delivery) -> bool:
         """Count a redelivered message's run; dead-letter it instead when it keeps killing workers.

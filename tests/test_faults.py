@@ -166,7 +166,9 @@ def test_a_message_that_crashes_its_process_every_time_ends_in_the_dlq(
         exits.append(w.returncode)
     assert exits == [17, 17, 17]
     assert int(r.hget(f"{namespace}:test:crashes", "crash")) == 3
-    [(_, fields)] = [e for k in dlq_keys for e in r.xrange(k)]
+    dead = [e for k in dlq_keys for e in r.xrange(k)]
+    assert len(dead) == 1, [(f[b"id"], f[b"dlq-reason"]) for _, f in dead]
+    [(_, fields)] = dead
     assert fields[b"id"].decode() == crash_id
     assert b"started 3 times (max_attempts 3) without completing" in fields[b"dlq-reason"]
     assert sum(g["pending"] for p in (0, 1) for g in r.xinfo_groups(f"{namespace}:{{jobs:{p}}}")) == 0
