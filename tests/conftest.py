@@ -59,3 +59,25 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
     return subprocess.run(
         [sys.executable, "-m", "framework", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    """``$DATABASE_URL`` (used only to create scratch databases on its server), else an embedded PostgreSQL."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        yield url
+        return
+    from framework.sql import embedded_postgres
+
+    with embedded_postgres() as url:
+        yield url
+
+
+@pytest.fixture
+def pg_url(pg_server: str) -> Iterator[str]:
+    """A fresh database on the test PostgreSQL server, dropped after the test."""
+    from framework.sql import temporary_database
+
+    with temporary_database(pg_server, prefix="framework_test") as url:
+        yield url

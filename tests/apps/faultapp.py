@@ -63,3 +63,31 @@ async def credit(cmd: dict, ctx: Context) -> None:
     tx = ctx.redis_transaction()
     tx.hincrby(f"{NS}:test:balance", cmd["account"], cmd["amount"])
     tx.hincrby(f"{NS}:test:applied", cmd["n"], 1)
+
+
+counter = Service("counter")
+_engine = None
+
+
+def _db():  # type: ignore[no-untyped-def]
+    global _engine
+    if _engine is None:
+        from framework.sql import create_engine
+
+        _engine = create_engine(os.environ["DATABASE_URL"], pool_size=16)
+    return _engine
+
+
+@counter.command(Queue("counter.increment", partitions=2))
+async def increment(cmd: dict, ctx: Context) -> None:
+    """Adds one to a PostgreSQL counter, exactly once per command, however often it is delivered."""
+    import anyio
+    from sqlalchemy import text
+
+    async with ctx.sql_transaction(_db()) as conn:
+        await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": cmd["n"]})
+        if SLEEP:
+            await anyio.sleep(SLEEP)  # a window for kills to land inside the transaction
+        ctx.publish("counter.incremented", {"n": cmd["n"]})  # goes to the outbox table, same transaction
+        # last: the one hot row stays locked only briefly
+        await conn.execute(text("UPDATE counters SET value = value + 1 WHERE name = 'total'"))

@@ -1,0 +1,122 @@
+"""Exactly-once SQL effects: the inbox row, the business rows and the outbox rows commit together."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+import redis
+from sqlalchemy import text
+
+from framework import Context, Queue, RetryPolicy, Service, SyncClient, outbox
+from framework.testing import ServiceHarness
+from tests.test_faults import Workers, wait_for
+
+pytestmark = pytest.mark.postgres
+
+SCHEMA = [
+    "CREATE TABLE counters (name text PRIMARY KEY, value bigint NOT NULL)",
+    "INSERT INTO counters VALUES ('total', 0)",
+    "CREATE TABLE applied (n text NOT NULL)",
+]
+
+
+async def _prepare(url: str) -> None:
+    engine = outbox.create_engine(url)
+    async with engine.connect() as conn:  # the kills hit workers, never PostgreSQL: skip the fsync per commit
+        db = (await conn.execute(text("SELECT current_database()"))).scalar_one()
+        await conn.execute(text(f'ALTER DATABASE "{db}" SET synchronous_commit = off'))
+        await conn.commit()
+    await engine.dispose()
+    engine = outbox.create_engine(url)
+    await outbox.create_tables(engine)
+    async with engine.begin() as conn:
+        for statement in SCHEMA:
+            await conn.execute(text(statement))
+    await engine.dispose()
+
+
+async def _counts(url: str) -> tuple[int, int, int, int]:
+    engine = outbox.create_engine(url)
+    async with engine.connect() as conn:
+        total = (await conn.execute(text("SELECT value FROM counters WHERE name = 'total'"))).scalar_one()
+        rows = (await conn.execute(text("SELECT count(*), count(DISTINCT n) FROM applied"))).one()
+        staged = (await conn.execute(text("SELECT count(*) FROM framework_outbox"))).scalar_one()
+    await engine.dispose()
+    return int(total), int(rows[0]), int(rows[1]), int(staged)
+
+
+@pytest.mark.anyio
+async def test_duplicates_and_failures_leave_sql_effects_applied_once(
+    pg_url: str, redis_url: str, namespace: str
+) -> None:
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    failures = 0
+    svc = Service("counter", retry=RetryPolicy(max_attempts=3, immediate=1), inbox=False)  # SQL inbox only
+
+    @svc.command("counter.increment")
+    async def increment(cmd: dict, ctx: Context) -> None:
+        nonlocal failures
+        async with ctx.sql_transaction(engine) as conn:
+            await conn.execute(text("UPDATE counters SET value = value + 1 WHERE name = 'total'"))
+            await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": cmd["n"]})
+            ctx.publish("counter.incremented", {"n": cmd["n"]})
+            if cmd["n"] == "3" and failures == 0:
+                failures += 1
+                raise RuntimeError("rolled back: the update, the inbox row and the outbox row")
+
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace) as h:
+            for n in range(5):
+                await h.client.send("counter.increment", {"n": str(n)}, message_id=f"m-{n}")
+            await h.client.send("counter.increment", {"n": "1"}, message_id="m-1")  # a re-published copy
+            await h.run_until_idle()
+            stats = h.stats()["counter.increment"]
+    finally:
+        await engine.dispose()
+    assert await _counts(pg_url) == (5, 5, 5, 5)
+    assert stats["duplicates"] == 1 and stats["failed"] == 1
+
+
+@pytest.mark.fault
+@pytest.mark.slow
+def test_ten_thousand_increments_under_repeated_worker_kills_count_exactly_ten_thousand(
+    worker_env: dict[str, str], tmp_path: Path, pg_url: str, redis_url: str, namespace: str
+) -> None:
+    anyio.run(_prepare, pg_url)
+    total = 10_000
+    queue = Queue("counter.increment", partitions=2)
+    with SyncClient(redis_url, namespace=namespace) as client:
+        for i in range(0, total, 1000):
+            client.send_many(queue, [{"n": str(n)} for n in range(i, i + 1000)])
+    r = redis.Redis.from_url(redis_url)
+    streams = [f"{namespace}:{{counter.increment:{p}}}" for p in (0, 1)]
+    workers = Workers({**worker_env, "DATABASE_URL": pg_url}, tmp_path)
+    opts = ("--visibility-timeout", "1", "--prefetch", "100", "--concurrency", "16")
+    try:
+        kills = 0
+        for round_ in range(5):
+            before = sum(r.xlen(s) for s in streams)
+            procs = [workers.start("faultapp:counter", f"w{round_}{x}", *opts, JOB_SLEEP="0.002") for x in "ab"]
+            wait_for(lambda before=before: sum(r.xlen(s) for s in streams) < before - 1200
+                     or sum(r.xlen(s) for s in streams) == 0, 120, "progress")
+            time.sleep(0.2)
+            for p in procs:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+                kills += 1
+        last = workers.start("faultapp:counter", "last", *opts, JOB_SLEEP="0")
+        wait_for(lambda: sum(r.xlen(s) for s in streams) == 0, 300, "every command")
+        last.send_signal(signal.SIGTERM)
+        assert last.wait(timeout=60) == 0
+    finally:
+        workers.stop_all()
+    value, rows, distinct, staged = anyio.run(_counts, pg_url)
+    assert kills == 10
+    assert value == total, f"counter is {value}, expected {total}"
+    assert rows == distinct == total  # every command's effects exactly once
+    assert staged == total  # and its outgoing message, once, in the outbox table
