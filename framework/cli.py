@@ -94,7 +94,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         consumer=args.consumer,
     )
-    runtime = Runtime(services, url=args.redis_url, namespace=args.namespace, settings=settings)
+    runtime = Runtime(services, url=args.redis_url, namespace=args.namespace, settings=settings,
+                      outbox_database_url=args.outbox_relay)
     log = get_logger("framework.cli")
 
     async def watch_signals(scope: anyio.CancelScope) -> None:
@@ -249,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                      help="seconds in-flight handlers get to finish on shutdown (default 30)")
     run.add_argument("--consumer", default=None, help="consumer name (default: host name and a free slot)")
+    run.add_argument("--outbox-relay", nargs="?", const="", default=None, metavar="DATABASE_URL",
+                     help="also run an outbox relay in this process (default database: $DATABASE_URL, "
+                          "else ./.framework/outbox.db)")
     _connection_options(run)
     run.set_defaults(func=_cmd_run)
 
@@ -289,11 +293,21 @@ def _register_extensions(sub: Any) -> None:
         module.register(sub, _connection_options, UsageError)
 
 
+def _reportable() -> tuple[type[BaseException], ...]:
+    """Errors shown as one line (no traceback): they say what was wrong and how to fix it."""
+    errors: tuple[type[BaseException], ...] = (BrokerError, HandlerError)
+    try:
+        from framework.sql import DatabaseUnavailable
+    except ImportError:  # the sql extra is not installed
+        return errors
+    return (*errors, DatabaseUnavailable)
+
+
 def _cause(group: BaseExceptionGroup) -> BaseException:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
             return _cause(exc)
-        if isinstance(exc, UsageError | BrokerError | HandlerError | KeyboardInterrupt):
+        if isinstance(exc, UsageError | KeyboardInterrupt | _reportable()):
             return exc
     return group
 
@@ -311,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"framework {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except (BrokerError, HandlerError) as exc:
+    except _reportable() as exc:
         print(f"framework {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

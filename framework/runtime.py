@@ -46,7 +46,9 @@ class Runtime:
         url: str | None = None,
         namespace: str | None = None,
         settings: RuntimeSettings | None = None,
+        outbox_database_url: str | None = None,
     ) -> None:
+        """``outbox_database_url`` also runs an outbox relay in this process (see framework.outbox)."""
         if not services:
             raise HandlerError("no services to run")
         names = [s.name for s in services]
@@ -69,6 +71,8 @@ class Runtime:
         self._stop: anyio.Event | None = None
         self._stopping = False
         self.started = False
+        self._outbox_url = outbox_database_url
+        self.relay: Any = None
 
     @property
     def broker(self) -> RedisBroker:
@@ -106,21 +110,40 @@ class Runtime:
                 concurrency=self.settings.concurrency,
                 prefetch=self.settings.prefetch,
             )
+            engine = await self._outbox_engine()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.lanes.run)
                 for consumer in self.consumers:
                     tg.start_soon(consumer.run)
+                if engine is not None:
+                    from framework.outbox import OutboxRelay
+
+                    self.relay = OutboxRelay(engine, self.broker)
+                    await tg.start(self.relay.run)
                 self.started = True
                 task_status.started(self)
                 await self._stop.wait()
                 await self._shutdown()
                 tg.cancel_scope.cancel()
+            if engine is not None:
+                await engine.dispose()
         finally:
             identity.release()
             if self._owns_broker and self._broker is not None:
                 with anyio.CancelScope(shield=True):
                     await self._broker.close()
                 self._broker = None
+
+    async def _outbox_engine(self) -> Any:
+        """The outbox database engine when an in-process relay was asked for (tables checked first)."""
+        if self._outbox_url is None:
+            return None
+        from framework import outbox, sql
+
+        engine = sql.create_engine(self._outbox_url or None)
+        await sql.ping(engine)
+        await outbox.create_tables(engine)
+        return engine
 
     async def _check_orphan_subscriptions(self) -> None:
         """Refuse to start when a service's group exists on a destination it no longer handles.
@@ -157,6 +180,8 @@ class Runtime:
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
             for consumer in self.consumers:
                 await consumer.flush_acks()
+        if self.relay is not None:
+            self.relay.stop()  # finishes the batch in progress
         log.info("runtime stopped", seconds=round(time.monotonic() - started, 3),
                  processed=sum(c.stats.processed for c in self.consumers))
 

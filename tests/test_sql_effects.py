@@ -120,3 +120,42 @@ def test_ten_thousand_increments_under_repeated_worker_kills_count_exactly_ten_t
     assert value == total, f"counter is {value}, expected {total}"
     assert rows == distinct == total  # every command's effects exactly once
     assert staged == total  # and its outgoing message, once, in the outbox table
+
+
+@pytest.mark.anyio
+async def test_the_in_process_relay_publishes_what_handlers_staged_in_sql(
+    pg_url: str, redis_url: str, namespace: str
+) -> None:
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    got: list[str] = []
+    counter = Service("counter")
+    audit = Service("audit")
+
+    @counter.command("counter.increment")
+    async def increment(cmd: dict, ctx: Context) -> None:
+        async with ctx.sql_transaction(engine) as conn:
+            await conn.execute(text("UPDATE counters SET value = value + 1 WHERE name = 'total'"))
+            ctx.publish("counter.incremented", {"n": cmd["n"]})
+
+    @audit.event("counter.incremented")
+    async def record(event: dict) -> None:
+        got.append(event["n"])
+
+    try:
+        async with ServiceHarness([], url=redis_url, namespace=namespace) as h:
+            from framework import Runtime
+            from framework.testing import TEST_SETTINGS
+
+            runtime = Runtime([counter, audit], broker=h.broker, settings=TEST_SETTINGS, outbox_database_url=pg_url)
+            async with anyio.create_task_group() as tg:
+                await tg.start(runtime.run)
+                await h.client.send_many("counter.increment", [{"n": str(n)} for n in range(20)])
+                with anyio.fail_after(30):
+                    while len(got) < 20:
+                        await anyio.sleep(0.05)
+                runtime.stop()
+    finally:
+        await engine.dispose()
+    assert sorted(got, key=int) == [str(n) for n in range(20)]
+    assert (await _counts(pg_url))[0] == 20
