@@ -150,8 +150,9 @@ class RedisBroker:
     # -- publishing ----------------------------------------------------------------------------
 
     async def publish(self, envelopes: Sequence[Envelope], *, dedup_window_ms: int | None = None) -> list[str | None]:
-        """Append envelopes in one pipeline; return entry ids (None where an idempotency key repeated).
+        """Append envelopes in one round trip; return entry ids (None where an idempotency key repeated).
 
+        Entries for one partition stream go in one script call (one reply for the lot), in order.
         An envelope carrying the ``idempotency-key`` header is stored at most once per
         ``dedup_window_ms`` (default: one day) per partition.
         """
@@ -159,31 +160,45 @@ class RedisBroker:
             return []
         window = dedup_window_ms if dedup_window_ms is not None else 24 * 3600 * 1000
         calls: list[tuple[str, list[str], list[Any]]] = []
+        batches: dict[str, tuple[int, list[int], list[Any]]] = {}  # stream -> (call index, positions, args)
+        slots: list[tuple[int, int]] = []  # per envelope: (call index, position in that call's reply)
         for env in envelopes:
             spec = self._specs.get(env.destination)
             if spec is None or spec.kind != env.kind:
                 spec = await self._spec_for(env.destination, env.kind)
             pkeys = self.keyspace.partition(spec.name, spec.partition_for(env.key, env.id))
+            fields = encode_fields(env)
             idem = env.headers.get(IDEMPOTENCY_KEY) if env.headers else None
             if idem:
-                calls.append(("once", [pkeys.stream, pkeys.published], [idem, now_ms(), window, *encode_fields(env)]))
-            else:
-                calls.append(("xadd", [pkeys.stream], encode_fields(env)))
-        return [None if r is None else _text(r) for r in await self._run_pipeline(calls)]
+                batches.pop(pkeys.stream, None)  # later entries of this stream go after it: order kept
+                slots.append((len(calls), -1))
+                calls.append(("once", [pkeys.stream, pkeys.published], [idem, now_ms(), window, *fields]))
+                continue
+            batch = batches.get(pkeys.stream)
+            if batch is None or len(batch[2]) > 20_000:  # keep each call (and Lua's unpack) modest
+                batch = batches[pkeys.stream] = (len(calls), [], [])
+                calls.append(("publish_batch", [pkeys.stream], batch[2]))
+            slots.append((batch[0], len(batch[1])))
+            batch[1].append(1)
+            batch[2].append(len(fields))
+            batch[2].extend(fields)
+        replies = await self._run_pipeline(calls)
+        out: list[str | None] = []
+        for call, position in slots:
+            reply = replies[call] if position < 0 else replies[call][position]
+            out.append(None if reply is None else _text(reply))
+        return out
 
     async def _run_pipeline(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
-        """Run XADD and script calls in one round trip, reloading scripts the server lost."""
+        """Run script calls in one round trip, reloading scripts the server lost (NOSCRIPT means not run)."""
         results: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         for _ in range(2):
             pipe = self.redis.pipeline(transaction=False)
             for i in todo:
                 kind, keys, args = calls[i]
-                if kind == "xadd":
-                    pipe.execute_command("XADD", keys[0], "*", *args)
-                else:
-                    script = self.scripts["publish_once" if kind == "once" else kind]
-                    script.queue(pipe, keys, args)
+                script = self.scripts["publish_once" if kind == "once" else kind]
+                script.queue(pipe, keys, args)
             replies = await pipe.execute(raise_on_error=False)
             missing = []
             for i, reply in zip(todo, replies, strict=True):

@@ -68,5 +68,5 @@ async def sql_transaction(ctx: Context, engine: AsyncEngine) -> AsyncIterator[As
         yield conn
         staged = ctx._outgoing[before:]
         if staged:
-            await outbox.stage(conn, [env for env, _ in staged])
+            await outbox.stage(conn, staged)  # with their specs: the relay declares Queue/Topic layouts
             del ctx._outgoing[before:]

@@ -66,6 +66,10 @@ def pg_server() -> Iterator[str]:
     """``$DATABASE_URL`` (used only to create scratch databases on its server), else an embedded PostgreSQL."""
     url = os.environ.get("DATABASE_URL")
     if url:
+        from framework.sql import resolve_url
+
+        if resolve_url(url).get_backend_name() != "postgresql":
+            pytest.skip("DATABASE_URL is not PostgreSQL")
         yield url
         return
     from framework.sql import embedded_postgres

@@ -240,3 +240,14 @@ async def test_inbox_claim_leases_new_ids_and_reports_duplicates(broker: RedisBr
     assert await broker.inbox_claim(view, [second], 60_000) == [1]  # processed: a duplicate
     assert await broker.redis.zscore(view.keys.inbox, original.id) > 0
     assert await broker.trim_inbox(view, now_ms() + 1) == 1  # past the dedup window: forgotten
+
+
+async def test_a_mixed_batch_keeps_its_order_per_stream(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+    [view] = await broker.subscribe(spec, "billing")
+    batch = [command("billing.refund", i) for i in range(6)]
+    batch[2].headers["idempotency-key"] = "k-2"
+    batch[4].headers["idempotency-key"] = "k-4"
+    ids = await broker.publish(batch)
+    assert all(ids) and ids == sorted(ids, key=lambda i: tuple(int(x) for x in i.split("-")))  # type: ignore[union-attr]
+    assert numbers(await broker.read(view, "c", 10, 10)) == [0, 1, 2, 3, 4, 5]

@@ -44,7 +44,9 @@ async def _counts(url: str) -> tuple[int, int, int, int]:
     async with engine.connect() as conn:
         total = (await conn.execute(text("SELECT value FROM counters WHERE name = 'total'"))).scalar_one()
         rows = (await conn.execute(text("SELECT count(*), count(DISTINCT n) FROM applied"))).one()
-        staged = (await conn.execute(text("SELECT count(*) FROM framework_outbox"))).scalar_one()
+        staged = (await conn.execute(text(  # waiting rows, and those a relay already moved to the sent table
+            "SELECT (SELECT count(*) FROM framework_outbox) + (SELECT count(*) FROM framework_outbox_sent)"
+        ))).scalar_one()
     await engine.dispose()
     return int(total), int(rows[0]), int(rows[1]), int(staged)
 
