@@ -19,6 +19,7 @@ import anyio
 import orjson
 
 from broker import BrokerError, connect
+from framework.cli_args import positive_duration, positive_int
 from framework.logs import configure_logging, get_logger
 from framework.service import HandlerError, Service
 
@@ -200,26 +201,6 @@ def _cmd_server(args: argparse.Namespace) -> int:
 # -- parser ---------------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text.removesuffix("s"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds like 30 or 2.5s, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-    return value
-
-
 def _connection_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="broker URL (default: $REDIS_URL, else the embedded Valkey)")
     p.add_argument("--namespace", default=None, help="key prefix (default: $FRAMEWORK_NAMESPACE or 'fw')")
@@ -243,11 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run services until SIGTERM/SIGINT")
     run.add_argument("targets", nargs="+", metavar="MODULE:SERVICE", help="e.g. example_services.billing:service")
-    run.add_argument("--concurrency", type=_positive_int, default=64, help="handlers running at once (default 64)")
-    run.add_argument("--prefetch", type=_positive_int, default=500, help="entries fetched per read (default 500)")
-    run.add_argument("--visibility-timeout", type=_seconds, default=60.0,
+    run.add_argument("--concurrency", type=positive_int, default=64, help="handlers running at once (default 64)")
+    run.add_argument("--prefetch", type=positive_int, default=500, help="entries fetched per read (default 500)")
+    run.add_argument("--visibility-timeout", type=positive_duration, default=60.0,
                      help="seconds before another consumer may claim an unacknowledged entry (default 60)")
-    run.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+    run.add_argument("--shutdown-timeout", type=positive_duration, default=30.0,
                      help="seconds in-flight handlers get to finish on shutdown (default 30)")
     run.add_argument("--consumer", default=None, help="consumer name (default: host name and a free slot)")
     run.add_argument("--outbox-relay", nargs="?", const="", default=None, metavar="DATABASE_URL",

@@ -81,13 +81,13 @@ def resolve_url(url: str | None = None) -> URL:
 
 
 def redact_url(url: str | URL) -> str:
-    """The URL as text with any password replaced by ``***``."""
+    """The URL as text with any password replaced by ``***`` (and no driver name, for messages)."""
     if isinstance(url, str):
         try:
             url = make_url(url)
         except ArgumentError:
             return url
-    return url.render_as_string(hide_password=True)
+    return url.set(drivername=url.get_backend_name()).render_as_string(hide_password=True)
 
 
 def libpq_url(url: str | URL) -> str:

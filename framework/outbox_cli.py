@@ -1,0 +1,309 @@
+"""``framework outbox relay|migrate|ddl|status|retry``: the database outbox from the command line.
+
+SQLAlchemy and the database drivers are imported only when an outbox command runs, so the rest of
+the ``framework`` command works without the ``sql`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from framework.cli_args import duration, positive_int
+
+__all__ = ["register"]
+
+_DIALECTS = ("postgresql", "sqlite")  # as framework.outbox_schema.DIALECTS, without importing SQLAlchemy
+
+
+def _sql_modules() -> tuple[Any, Any]:
+    try:
+        from framework import outbox, sql
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] in ("sqlalchemy", "psycopg", "aiosqlite", "greenlet"):
+            raise _Fail(f"the outbox needs the SQL extra ({exc.name} is missing): "
+                        "pip install 'framework[sql]'") from None
+        raise
+    return outbox, sql
+
+
+class _Fail(Exception):
+    """A failure reported in one line with exit status 1 (the database, not the arguments)."""
+
+
+def _engine(args: argparse.Namespace, usage_error: type[Exception]) -> Any:
+    outbox, _ = _sql_modules()
+    try:
+        return outbox.create_engine(args.database_url)
+    except ValueError as exc:
+        raise usage_error(str(exc)) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Report database failures in one line (exit 1), as the other commands do for the broker."""
+
+    def command(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except _Fail as exc:
+            print(f"framework outbox {args.outbox_command}: {exc}", file=sys.stderr)
+            return 1
+        except BaseExceptionGroup as group:
+            inner = group
+            while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+                inner = inner.exceptions[0]
+            if isinstance(inner, _Fail):
+                print(f"framework outbox {args.outbox_command}: {inner}", file=sys.stderr)
+                return 1
+            raise
+        except Exception as exc:
+            from sqlalchemy.exc import SQLAlchemyError
+
+            if not isinstance(exc, SQLAlchemyError | OSError):
+                raise
+            print(f"framework outbox {args.outbox_command}: database error: {_one_line(exc)}", file=sys.stderr)
+            return 1
+
+    return command
+
+
+async def _checked(engine: Any) -> None:
+    """Fail in one line when the database is unreachable or lacks the tables."""
+    outbox, sql = _sql_modules()
+    try:
+        await outbox.check_tables(engine)
+    except sql.DatabaseUnavailable as exc:
+        raise _Fail(str(exc)) from None
+
+
+def _commands(usage_error: type[Exception]) -> dict[str, Callable[[argparse.Namespace], int]]:
+    def relay_cmd(args: argparse.Namespace) -> int:
+        from redis.exceptions import RedisError
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from broker import connect
+        from framework.logs import get_logger
+        from framework.outbox_relay import OutboxRelay
+
+        engine = _engine(args, usage_error)
+        log = get_logger("framework.cli")
+
+        async def main() -> int:
+            try:
+                await _checked(engine)
+                broker = await connect(args.redis_url, namespace=args.namespace)
+                try:
+                    relay = OutboxRelay(engine, broker, batch_size=args.batch_size, poll_interval=args.poll_interval,
+                                        retention=args.retention, concurrency=args.concurrency,
+                                        max_shards=args.max_shards)
+                    if args.once:
+                        try:
+                            settled = await relay.drain()
+                        except (RedisError, SQLAlchemyError) as exc:
+                            raise _Fail(f"stopped after publishing {relay.published} message(s): {_one_line(exc)}; "
+                                        "the next run publishes the rest") from None
+                        print(f"published {relay.published} message(s)"
+                              + (f", set {settled - relay.published} aside" if settled > relay.published else ""))
+                        return 0
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(_stop_on_signals, relay, log)
+                        await relay.run()
+                        tg.cancel_scope.cancel()
+                    return 0
+                finally:
+                    await broker.close()
+            finally:
+                await engine.dispose()
+
+        return anyio.run(main)
+
+    def migrate_cmd(args: argparse.Namespace) -> int:
+        outbox, sql = _sql_modules()
+        engine = _engine(args, usage_error)
+
+        async def main() -> None:
+            try:
+                try:
+                    await sql.ping(engine)
+                except sql.DatabaseUnavailable as exc:
+                    raise _Fail(str(exc)) from None
+                await outbox.create_tables(engine)
+            finally:
+                await engine.dispose()
+
+        anyio.run(main)
+        print(f"outbox and inbox tables are in place in {sql.redact_url(engine.url)}")
+        return 0
+
+    def ddl_cmd(args: argparse.Namespace) -> int:
+        outbox, sql = _sql_modules()
+        dialect = args.dialect
+        if dialect is None:
+            try:
+                dialect = sql.resolve_url(args.database_url).get_backend_name()
+            except ValueError as exc:
+                raise usage_error(str(exc)) from None
+        sys.stdout.write(outbox.ddl(dialect))
+        return 0
+
+    def status_cmd(args: argparse.Namespace) -> int:
+        _, sql = _sql_modules()
+        engine = _engine(args, usage_error)
+
+        async def main() -> dict[str, Any]:
+            try:
+                await _checked(engine)
+                return await _status(engine)
+            finally:
+                await engine.dispose()
+
+        st = anyio.run(main)
+        if args.json:
+            import orjson
+
+            sys.stdout.write(orjson.dumps(st, option=orjson.OPT_INDENT_2).decode() + "\n")
+            return 0
+        print(f"database:  {sql.redact_url(engine.url)}")
+        oldest = st["oldest_waiting_seconds"]
+        age = f" (oldest waiting {oldest:.1f} s)" if oldest is not None else ""
+        print(f"waiting:   {st['waiting']}{age}")
+        print(f"refused:   {st['refused']}" + ("  (see the error column; `framework outbox retry` once fixed)"
+                                                 if st["refused"] else ""))
+        print(f"sent:      {st['sent']} (kept for the retention period)")
+        print(f"inbox:     {st['inbox']} record(s)")
+        return 0
+
+    def retry_cmd(args: argparse.Namespace) -> int:
+        if not args.ids and not args.all:
+            raise usage_error("say which refused messages to retry: message ids, or --all")
+        engine = _engine(args, usage_error)
+
+        async def main() -> int:
+            from sqlalchemy import update
+
+            from framework.outbox_schema import outbox_table as t
+
+            try:
+                await _checked(engine)
+                stmt = update(t).where(t.c.error.isnot(None)).values(error=None)
+                if args.ids:
+                    stmt = stmt.where(t.c.message_id.in_(args.ids))
+                async with engine.begin() as conn:
+                    return int((await conn.execute(stmt)).rowcount)
+            finally:
+                await engine.dispose()
+
+        print(f"{anyio.run(main)} refused message(s) will be published again")
+        return 0
+
+    return {name: _guarded(fn) for name, fn in (("relay", relay_cmd), ("migrate", migrate_cmd), ("ddl", ddl_cmd),
+                                                  ("status", status_cmd), ("retry", retry_cmd))}
+
+
+async def _stop_on_signals(relay: Any, log: Any) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        stopping = False
+        async for signum in signals:
+            if stopping:
+                log.warning("second signal: exiting now; an unfinished batch is published again by the next relay")
+                os._exit(128 + signum)
+            stopping = True
+            log.info("signal received: finishing the current batch", signal=signal.Signals(signum).name)
+            relay.stop()
+
+
+async def _status(engine: Any) -> dict[str, Any]:
+    from datetime import UTC, datetime
+
+    from sqlalchemy import func, select
+
+    from framework.outbox_schema import inbox_table, outbox_table, sent_table
+
+    o = outbox_table
+    async with engine.connect() as conn:
+        waiting = (await conn.execute(select(func.count()).where(o.c.error.is_(None)))).scalar_one()
+        refused = (await conn.execute(select(func.count()).where(o.c.error.isnot(None)))).scalar_one()
+        oldest = (await conn.execute(select(func.min(o.c.created_at)).where(o.c.error.is_(None)))).scalar()
+        sent = (await conn.execute(select(func.count()).select_from(sent_table))).scalar_one()
+        inbox = (await conn.execute(select(func.count()).select_from(inbox_table))).scalar_one()
+    if oldest is not None and oldest.tzinfo is None:
+        oldest = oldest.replace(tzinfo=UTC)
+    return {
+        "waiting": waiting,
+        "refused": refused,
+        "sent": sent,
+        "inbox": inbox,
+        "oldest_waiting_seconds": (datetime.now(UTC) - oldest).total_seconds() if oldest is not None else None,
+    }
+
+
+def _database_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--database-url", default=None,
+                   help="postgresql://... or sqlite:///file.db (default: $DATABASE_URL, else ./.framework/outbox.db)")
+
+
+def _logging_options(p: argparse.ArgumentParser) -> None:
+    # nested sub-commands do not inherit the top-level parser's parents
+    p.add_argument("--log-level", default=argparse.SUPPRESS, help="debug, info, warning, error (default: info)")
+    p.add_argument("--log-format", choices=("console", "json"), default=argparse.SUPPRESS,
+                   help="default: console on a terminal, json otherwise")
+
+
+def register(sub: Any, connection_options: Callable[[argparse.ArgumentParser], None],
+             usage_error: type[Exception]) -> None:
+    """Add ``outbox`` (relay, migrate, ddl, status, retry) to the ``framework`` command."""
+    cmds = _commands(usage_error)
+    outbox = sub.add_parser("outbox", help="database outbox: run the relay, create the tables, print the DDL")
+    actions = outbox.add_subparsers(dest="outbox_command", required=True)
+
+    p = actions.add_parser("relay", help="publish committed outbox messages until SIGTERM/SIGINT")
+    _database_option(p)
+    p.add_argument("--batch-size", type=positive_int, default=1000, help="messages per transaction (default 1000)")
+    p.add_argument("--poll-interval", type=duration, default=None,
+                   help="idle check interval: a fallback on PostgreSQL, which wakes on NOTIFY (default 2s; "
+                        "SQLite 0.05s)")
+    p.add_argument("--retention", type=duration, default=24 * 3600.0,
+                   help="how long sent messages are kept, e.g. 3600, 12h, 7d (default 24h)")
+    p.add_argument("--concurrency", type=positive_int, default=2,
+                   help="batches in flight at once on PostgreSQL (default 2)")
+    p.add_argument("--max-shards", type=positive_int, default=16,
+                   help="shards (of 64) one PostgreSQL batch claims, leaving others to other relays (default 16)")
+    p.add_argument("--once", action="store_true", help="publish what is waiting now, then exit")
+    connection_options(p)
+    _logging_options(p)
+    p.set_defaults(func=cmds["relay"])
+
+    p = actions.add_parser("migrate", help="create the outbox and inbox tables (idempotent)")
+    _database_option(p)
+    _logging_options(p)
+    p.set_defaults(func=cmds["migrate"])
+
+    p = actions.add_parser("ddl", help="print the DDL, for your own migration tool")
+    p.add_argument("--dialect", choices=_DIALECTS, default=None,
+                   help="default: that of --database-url / $DATABASE_URL (SQLite without either)")
+    _database_option(p)
+    p.set_defaults(func=cmds["ddl"])
+
+    p = actions.add_parser("status", help="messages waiting, refused and sent; inbox records")
+    _database_option(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _logging_options(p)
+    p.set_defaults(func=cmds["status"])
+
+    p = actions.add_parser("retry", help="publish messages the broker refused again, once the cause is fixed")
+    p.add_argument("ids", nargs="*", metavar="MESSAGE_ID")
+    p.add_argument("--all", action="store_true", help="every refused message")
+    _database_option(p)
+    _logging_options(p)
+    p.set_defaults(func=cmds["retry"])
