@@ -14,7 +14,7 @@ from broker.codec import decode_flat, encode_fields
 from broker.envelope import Envelope, Kind, now_ms
 from broker.errors import ConfigurationError, DecodeError
 from broker.headers import FIRST_FAILED_AT, IDEMPOTENCY_KEY
-from broker.keys import KeySpace
+from broker.keys import KeySpace, PartitionKeys
 from broker.protocol import Delivery, GroupPartition, Start
 from broker.scripts import Script, load_scripts
 from broker.topology import DestinationSpec, validate_name
@@ -48,6 +48,7 @@ class RedisBroker:
         self.scripts: dict[str, Script] = load_scripts()
         self._specs: dict[str, DestinationSpec] = {}
         self._claim_cursor: dict[tuple[str, str], str] = {}
+        self._pkeys: dict[tuple[str, int], PartitionKeys] = {}
         for command in _RAW:  # parse stream replies ourselves: redis-py's dict building costs ~30%
             client.set_response_callback(command, _raw)
 
@@ -115,6 +116,12 @@ class RedisBroker:
             )
         return spec
 
+    def _partition_keys(self, name: str, partition: int) -> PartitionKeys:
+        keys = self._pkeys.get((name, partition))
+        if keys is None:
+            keys = self._pkeys[(name, partition)] = self.keyspace.partition(name, partition)
+        return keys
+
     def group_partition(self, spec: DestinationSpec, partition: int, group: str) -> GroupPartition:
         """The view of ``group`` on one partition (no server call)."""
         return GroupPartition(
@@ -166,7 +173,7 @@ class RedisBroker:
             spec = self._specs.get(env.destination)
             if spec is None or spec.kind != env.kind:
                 spec = await self._spec_for(env.destination, env.kind)
-            pkeys = self.keyspace.partition(spec.name, spec.partition_for(env.key, env.id))
+            pkeys = self._partition_keys(spec.name, spec.partition_for(env.key, env.id))
             fields = encode_fields(env)
             idem = env.headers.get(IDEMPOTENCY_KEY) if env.headers else None
             if idem:

@@ -111,7 +111,7 @@ class Consumer:
 
     @property
     def in_flight(self) -> int:
-        """Messages fetched and not yet settled."""
+        """Messages fetched and not yet processed or settled."""
         return sum(s.in_flight for s in self.states.values())
 
     async def flush_acks(self) -> None:
@@ -210,6 +210,7 @@ class Consumer:
             self.stats.duplicates += len(duplicates)
             state.ack_buffer += duplicates
             state.ack_wakeup.set()
+            self._release(state, len(duplicates))
         if elsewhere:  # the same message id is being processed by another consumer right now
             self._forget(state, elsewhere)
         return run
@@ -246,6 +247,7 @@ class Consumer:
         if done:
             state.ack_buffer += done
             state.ack_wakeup.set()
+            self._release(state, len(done))  # processed: room to fetch more while the ack is on its way
 
     async def _run(self, state: _PartitionState, d: Delivery, payload: Any, attempt: int) -> Context | None:
         """Call the handler until it succeeds (its context) or the failure is settled (None)."""
@@ -358,6 +360,12 @@ class Consumer:
         """Forget works after an internal error; they stay pending and are claimed again later."""
         self._forget(state, [d for d, _ in works])
 
+    @staticmethod
+    def _release(state: _PartitionState, count: int) -> None:
+        """``count`` held messages are processed: the fetcher may read that many more."""
+        state.in_flight -= count
+        state.capacity.set()
+
     def _forget(self, state: _PartitionState, deliveries: Sequence[Delivery]) -> None:
         for d in deliveries:
             if state.held.pop(d.entry_id, None) is not None:
@@ -427,7 +435,9 @@ class Consumer:
         except BaseException:
             state.ack_buffer[:0] = batch  # acks are idempotent: keep them for the next flush
             raise
-        self._forget(state, batch)
+        held = state.held
+        for d in batch:  # already released when processed
+            held.pop(d.entry_id, None)
 
     # -- background duties ----------------------------------------------------------------------------------
 

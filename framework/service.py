@@ -37,6 +37,11 @@ def _ms(value: timedelta | float | None) -> int | None:
     return int(seconds * 1000)
 
 
+@functools.lru_cache(maxsize=4096)
+def _spec(name: str, kind: str, partitions: int, retention_ms: int | None, max_length: int | None) -> DestinationSpec:
+    return DestinationSpec(name, kind, partitions, retention_ms, max_length)  # type: ignore[arg-type]
+
+
 @attrs.frozen
 class Queue:
     """A queue of commands: one stream per partition, one consumer group (its owning service)."""
@@ -46,7 +51,7 @@ class Queue:
 
     def spec(self) -> DestinationSpec:
         """The broker-level description."""
-        return DestinationSpec(self.name, COMMAND, self.partitions, retention_ms=None)
+        return _spec(self.name, COMMAND, self.partitions, None, None)
 
 
 @attrs.frozen
@@ -60,7 +65,7 @@ class Topic:
 
     def spec(self) -> DestinationSpec:
         """The broker-level description."""
-        return DestinationSpec(self.name, EVENT, self.partitions, _ms(self.retention), self.max_length)
+        return _spec(self.name, EVENT, self.partitions, _ms(self.retention), self.max_length)
 
 
 @attrs.define(eq=False)
