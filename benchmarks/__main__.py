@@ -1,0 +1,544 @@
+"""``python -m benchmarks``: run the benchmarks, print one table of medians, optionally write JSON.
+
+    python -m benchmarks [--quick] [--repeats N] [--only NAME ...] [--json PATH]
+
+Server: ``$REDIS_URL`` if set, else an embedded Valkey (AOF on) started for the run and removed after.
+Each benchmark works in a namespace of its own and deletes its keys; nothing is ever flushed.
+Throughput and latency trials are interleaved (raw, commands with inbox on and off, events,
+latency, then again), so a change in background load hits the framework and its ceiling alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
+
+import attrs
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks import machine, procs, runtime_bench
+
+__all__ = ["BENCHMARKS", "Sizes", "main"]
+
+BENCHMARKS = ("raw", "commands", "events", "latency", "memory", "outbox", "spark")
+_NEEDS_RAW = {"commands", "events", "memory"}  # their ratios need the ceiling of the same run
+
+THROUGHPUT_TARGET = 0.25  # of the raw ceiling, one worker process
+LATENCY_P99_TARGET_MS = 1.0
+INBOX_COST_TARGET = 0.30
+MEMORY_FLAT_TARGET = 1.10  # peak RSS, big backlog over small backlog
+OUTBOX_TARGET = 20_000
+
+
+@attrs.frozen
+class Sizes:
+    """How much work each benchmark does."""
+
+    messages: int  # throughput runs (commands, events, raw ceiling)
+    memory_backlog: int
+    memory_small: int
+    latency_seconds: float
+    latency_rate: float
+    outbox_messages: int
+    spark_events: int
+
+
+FULL = Sizes(200_000, 1_000_000, 10_000, 10.0, 500.0, 100_000, 1_000_000)
+QUICK = Sizes(20_000, 50_000, 5_000, 3.0, 500.0, 5_000, 20_000)
+
+err = Console(stderr=True, highlight=False)
+
+
+def _progress(message: str) -> None:
+    err.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {message}")
+
+
+# -- statistics and formatting ------------------------------------------------------------------------------
+
+
+def stats(values: Sequence[float]) -> dict[str, Any]:
+    """Median, min, max and every value."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": list(values)}
+
+
+def _rate(s: dict[str, Any], unit: str = "msg/s") -> str:
+    spread = f"\n[dim]{s['min']:,.0f}-{s['max']:,.0f}[/dim]" if len(s["runs"]) > 1 else ""
+    return f"{s['median']:,.0f} {unit}{spread}"
+
+
+def _ms(s: dict[str, Any]) -> str:
+    return f"{s['median']:.2f}" + (f" [dim]({s['min']:.2f}-{s['max']:.2f})[/dim]" if len(s["runs"]) > 1 else "")
+
+
+def _verdict(ok: bool | None) -> str:
+    return "" if ok is None else ("[green]pass[/green]" if ok else "[red]FAIL[/red]")
+
+
+@attrs.define
+class Row:
+    """One line of the results table."""
+
+    benchmark: str
+    result: str
+    ceiling: str = "—"
+    ratio: str = "—"
+    target: str = "—"
+    ok: bool | None = None
+
+
+# -- running ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _server() -> Iterator[tuple[str, bool]]:
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url, False
+        return
+    from framework.testing import embedded_server
+
+    _progress("starting an embedded Valkey (AOF on) for this run")
+    with embedded_server() as url:
+        yield url, True
+
+
+class Runner:
+    """Runs the selected benchmarks and keeps every trial's numbers, errors and machine conditions."""
+
+    def __init__(self, url: str, sizes: Sizes, repeats: int, selected: Sequence[str], server_pid: int | None) -> None:
+        self.url = url
+        self.sizes = sizes
+        self.repeats = repeats
+        self.selected = list(selected)
+        self.server_pid = server_pid
+        self.trials: dict[str, list[dict[str, Any]]] = {}
+        self.errors: dict[str, str] = {}
+        self.extra: dict[str, Any] = {}
+
+    def _trial(self, key: str, fn: Callable[[], dict[str, Any]], round_: int | None = None) -> None:
+        """Run one trial unless its benchmark already failed; record it with its round and the load meanwhile."""
+        group = key.split(":")[0]
+        if group in self.errors:
+            return
+        with machine.Conditions(self.server_pid, interval=1.0) as cond:
+            try:
+                result = fn()
+            except Exception as exc:
+                self.errors[group] = f"failed: {type(exc).__name__}: {exc}"
+                _progress(f"[red]{group} failed[/red]: {exc}")
+                traceback.print_exc(file=sys.stderr)
+                return
+        result["machine"] = cond.summary()
+        result["round"] = round_
+        self.trials.setdefault(key, []).append(result)
+
+    def run(self) -> None:
+        """Repeat the interleaved throughput and latency trials, then memory, outbox and Spark once each."""
+        s, url, p = self.sizes, self.url, _progress
+        for r in range(self.repeats):
+            _progress(f"[bold]round {r + 1}/{self.repeats}[/bold]")
+            if "raw" in self.selected:
+                self._trial("raw:xack", lambda: runtime_bench.raw_ceiling(url, s.messages, progress=p), r)
+                self._trial("raw:xdel", lambda: runtime_bench.raw_ceiling(url, s.messages, delete=True, progress=p), r)
+            if "commands" in self.selected:
+                order = (True, False) if r % 2 == 0 else (False, True)  # alternate, so drift favours neither
+                for inbox in order:
+                    self._trial(
+                        f"commands:{'on' if inbox else 'off'}",
+                        lambda inbox=inbox: runtime_bench.commands(url, s.messages, inbox=inbox, progress=p),
+                        r,
+                    )
+            if "events" in self.selected:
+                self._trial("events:3", lambda: runtime_bench.events(url, s.messages, progress=p), r)
+            if "latency" in self.selected:
+                kw = {"rate": s.latency_rate, "seconds": s.latency_seconds, "progress": p}
+                self._trial("latency:raw", lambda kw=kw: runtime_bench.raw_latency(url, **kw), r)
+                self._trial("latency:framework", lambda kw=kw: runtime_bench.latency(url, **kw), r)
+        if "memory" in self.selected:
+            self._trial("memory:small", lambda: runtime_bench.memory(url, s.memory_small, progress=p))
+            self._trial("memory:big", lambda: runtime_bench.memory(url, s.memory_backlog, progress=p))
+        if "outbox" in self.selected:
+            self._external(
+                "outbox",
+                "benchmarks.outbox_bench",
+                lambda m: m.run(
+                    url, os.environ.get("DATABASE_URL") or None, messages=s.outbox_messages, repeats=self.repeats
+                ),
+            )
+        if "spark" in self.selected:
+            self._external(
+                "spark",
+                "benchmarks.spark_bench",
+                lambda m: m.run(url, events=s.spark_events, partitions=4, repeats=self.repeats),
+            )
+
+    def _external(self, name: str, module_name: str, call: Callable[[Any], dict[str, Any]]) -> None:
+        """Run another engineer's benchmark module if it is there; a missing or failing one is reported."""
+        import importlib
+
+        _progress(f"[bold]{name}[/bold]: {module_name}.run()")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            reason = f"{module_name} is missing" if exc.name == module_name else f"cannot import {exc.name}"
+            self.errors[name] = f"not run: {reason}"
+            _progress(f"[yellow]{name}: {self.errors[name]}[/yellow]")
+            return
+        except Exception as exc:
+            self.errors[name] = f"not run: importing {module_name} failed: {type(exc).__name__}: {exc}"
+            _progress(f"[yellow]{name}: {self.errors[name]}[/yellow]")
+            return
+        with machine.Conditions(self.server_pid, interval=1.0) as cond:
+            try:
+                result = call(module)
+            except Exception as exc:
+                self.errors[name] = f"not run: {type(exc).__name__}: {exc}"
+                _progress(f"[red]{name} failed[/red]: {exc}")
+                traceback.print_exc(file=sys.stderr)
+                return
+        result["machine"] = cond.summary()
+        self.trials[name] = [result]
+
+    # -- summarising --------------------------------------------------------------------------------------
+
+    def _stats(self, key: str, field: str) -> dict[str, Any] | None:
+        runs = [t[field] for t in self.trials.get(key, []) if t.get(field) is not None]
+        return stats(runs) if runs else None
+
+    def paired(
+        self,
+        key: str,
+        field: str,
+        base: str = "raw:xack",
+        base_field: str = "drain_msgs_per_s",
+    ) -> dict[str, Any] | None:
+        """Per-round ratios of ``key``'s ``field`` to ``base``'s, measured back to back in one round."""
+        bases = {t["round"]: t[base_field] for t in self.trials.get(base, []) if t.get("round") is not None}
+        ratios = [t[field] / bases[t["round"]] for t in self.trials.get(key, []) if t.get("round") in bases]
+        return stats(ratios) if ratios else None
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Medians (with min, max and runs) of every figure, by benchmark; ``ratio_to_raw`` is paired by round."""
+        out: dict[str, dict[str, Any]] = {}
+        fields = {
+            "raw:xack": ("drain_msgs_per_s", "fill_msgs_per_s"),
+            "raw:xdel": ("drain_msgs_per_s",),
+            "commands:on": ("msgs_per_s", "publish_msgs_per_s", "peak_rss_mib"),
+            "commands:off": ("msgs_per_s", "publish_msgs_per_s", "peak_rss_mib"),
+            "events:3": ("events_per_s", "deliveries_per_s", "publish_msgs_per_s"),
+            "latency:raw": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
+            "latency:framework": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
+            "memory:small": ("peak_rss_mib", "msgs_per_s", "server_inbox_mib"),
+            "memory:big": ("peak_rss_mib", "msgs_per_s", "server_inbox_mib"),
+        }
+        for key, names in fields.items():
+            figures = {n: st for n in names if (st := self._stats(key, n)) is not None}
+            if figures:
+                out[key] = figures
+        for key, field in (
+            ("raw:xdel", "drain_msgs_per_s"),
+            ("commands:on", "msgs_per_s"),
+            ("commands:off", "msgs_per_s"),
+            ("events:3", "deliveries_per_s"),
+        ):
+            if key in out and (pr := self.paired(key, field)) is not None:
+                out[key]["ratio_to_raw"] = pr
+        on, off = self.trials.get("commands:on", []), {t["round"]: t for t in self.trials.get("commands:off", [])}
+        costs = [1 - t["msgs_per_s"] / off[t["round"]]["msgs_per_s"] for t in on if t.get("round") in off]
+        if costs:
+            out["inbox_cost"] = {"paired": stats(costs)}
+        return out
+
+    def rows(self) -> list[Row]:
+        """The table: result, raw ceiling, ratio and target per benchmark."""
+        sm = self.summary()
+        rows: list[Row] = []
+        ceiling = sm.get("raw:xack", {}).get("drain_msgs_per_s")
+        ceil_text = f"{ceiling['median']:,.0f} msg/s" if ceiling else "—"
+
+        def ratio(value: float, key: str | None = None) -> tuple[str, float | None]:
+            """Paired by round when ``key`` has per-round ratios, else the ratio of the medians."""
+            paired = sm.get(key, {}).get("ratio_to_raw") if key else None
+            if paired:
+                r = paired["median"]
+                spread = f"\n[dim]{paired['min']:.0%}-{paired['max']:.0%}[/dim]" if len(paired["runs"]) > 1 else ""
+                return f"{r:.0%}{spread}", r
+            if not ceiling:
+                return "—", None
+            r = value / ceiling["median"]
+            return f"{r:.0%}", r
+
+        def not_run(name: str, label: str) -> bool:
+            if name in self.errors:
+                rows.append(Row(label, f"[yellow]{self.errors[name]}[/yellow]"))
+                return True
+            return name not in self.selected
+
+        if not not_run("raw", "raw redis-py ceiling") and ceiling:
+            rows.append(Row("raw redis-py: XREADGROUP 500 + XACK per batch (the ceiling)", _rate(ceiling)))
+            if xdel := sm.get("raw:xdel", {}).get("drain_msgs_per_s"):
+                rows.append(
+                    Row(
+                        "raw redis-py: XREADGROUP 500 + XACK + XDEL per batch",
+                        _rate(xdel),
+                        ceil_text,
+                        ratio(xdel["median"], "raw:xdel")[0],
+                    )
+                )
+        if not not_run("commands", "commands, one worker"):
+            for key, label in (
+                ("commands:on", "commands → one worker, inbox on (default)"),
+                ("commands:off", "commands → one worker, inbox off"),
+            ):
+                if st := sm.get(key, {}).get("msgs_per_s"):
+                    text, r = ratio(st["median"], key)
+                    rows.append(
+                        Row(
+                            label,
+                            _rate(st),
+                            ceil_text,
+                            text,
+                            f"≥ {THROUGHPUT_TARGET:.0%} of raw",
+                            None if r is None else r >= THROUGHPUT_TARGET,
+                        )
+                    )
+            if cost := sm.get("inbox_cost", {}).get("paired"):
+                spread = f"\n[dim]{cost['min']:.0%}-{cost['max']:.0%}[/dim]" if len(cost["runs"]) > 1 else ""
+                rows.append(
+                    Row(
+                        "inbox cost: 1 - (inbox on / inbox off), paired by round",
+                        f"{cost['median']:.0%} of throughput{spread}",
+                        target=f"< {INBOX_COST_TARGET:.0%}",
+                        ok=cost["median"] < INBOX_COST_TARGET,
+                    )
+                )
+            if pub := sm.get("commands:on", {}).get("publish_msgs_per_s"):
+                fill = sm.get("raw:xack", {}).get("fill_msgs_per_s")
+                rows.append(
+                    Row(
+                        "publish: Client.send_many, 5,000 per call",
+                        _rate(pub),
+                        f"{fill['median']:,.0f} msg/s\n[dim]pipelined XADD[/dim]" if fill else "—",
+                        f"{pub['median'] / fill['median']:.0%}" if fill else "—",
+                    )
+                )
+        if not not_run("events", "events, three groups") and (ev := sm.get("events:3")):
+            text, r = ratio(ev["deliveries_per_s"]["median"], "events:3")
+            rows.append(
+                Row(
+                    "events → 3 groups (3 services), one worker",
+                    f"{_rate(ev['events_per_s'], 'events/s')}\n= {ev['deliveries_per_s']['median']:,.0f} deliveries/s",
+                    ceil_text,
+                    text + " [dim](deliveries)[/dim]",
+                    f"≥ {THROUGHPUT_TARGET:.0%} of raw",
+                    None if r is None else r >= THROUGHPUT_TARGET,
+                )
+            )
+        if not not_run("latency", "latency") and (fw := sm.get("latency:framework")):
+            raw = sm.get("latency:raw")
+            rate = f"{self.sizes.latency_rate:,.0f}/s"
+            rows.append(
+                Row(
+                    f"latency publish → handler start @ {rate}, p50 / p99 ms",
+                    f"p50 {_ms(fw['p50_ms'])}\np99 {_ms(fw['p99_ms'])}\n[dim]p90 {fw['p90_ms']['median']:.2f}, "
+                    f"max {fw['max_ms']['median']:.2f}[/dim]",
+                    f"p50 {raw['p50_ms']['median']:.2f}\np99 {raw['p99_ms']['median']:.2f}" if raw else "—",
+                    f"p99 {fw['p99_ms']['median'] / raw['p99_ms']['median']:.1f}x" if raw else "—",
+                    f"p99 < {LATENCY_P99_TARGET_MS:g} ms",
+                    fw["p99_ms"]["median"] < LATENCY_P99_TARGET_MS,
+                )
+            )
+        if not not_run("memory", "memory") and (big := sm.get("memory:big")) and (small := sm.get("memory:small")):
+            growth = big["peak_rss_mib"]["median"] / small["peak_rss_mib"]["median"]
+            rows.append(
+                Row(
+                    f"worker peak RSS, {self.sizes.memory_backlog:,} vs {self.sizes.memory_small:,} backlog",
+                    f"{big['peak_rss_mib']['median']:.1f} MiB vs {small['peak_rss_mib']['median']:.1f} MiB",
+                    "—",
+                    f"{growth:.2f}x",
+                    f"flat (≤ {MEMORY_FLAT_TARGET:.2f}x)",
+                    growth <= MEMORY_FLAT_TARGET,
+                )
+            )
+            text, _ = ratio(big["msgs_per_s"]["median"])
+            rows.append(
+                Row(
+                    f"commands → one worker, {self.sizes.memory_backlog:,} backlog (single run)",
+                    _rate(big["msgs_per_s"]),
+                    ceil_text,
+                    text,
+                )
+            )
+        if not not_run("outbox", "outbox relay") and (ob := self.trials.get("outbox")):
+            rows.append(self._external_row("outbox relay", ob[0], self._outbox_row))
+        if not not_run("spark", "spark bridge") and (sp := self.trials.get("spark")):
+            rows.append(self._external_row("spark bridge", sp[0], self._spark_row))
+        return rows
+
+    @staticmethod
+    def _external_row(label: str, result: dict[str, Any], build: Callable[[dict[str, Any]], Row]) -> Row:
+        try:
+            return build(result)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            return Row(
+                label,
+                f"[yellow]ran, but its result has an unexpected shape ({type(exc).__name__}: {exc}); "
+                "see --json[/yellow]",
+            )
+
+    @staticmethod
+    def _outbox_row(o: dict[str, Any]) -> Row:
+        st = stats(o["relay_runs"])
+        return Row(
+            f"outbox relay {o.get('database', 'PostgreSQL')} → broker, one relay",
+            _rate(st),
+            target=f"≥ {OUTBOX_TARGET:,} msg/s",
+            ok=st["median"] >= OUTBOX_TARGET,
+        )
+
+    @staticmethod
+    def _spark_row(o: dict[str, Any]) -> Row:
+        runs = o.get("runs", {})
+        st = stats(runs["broker"]) if runs.get("broker") else {"median": o["broker_rows_per_s"], "runs": [1]}
+        return Row(
+            "spark: broker → Parquet (eventlog source)",
+            _rate(st, "rows/s"),
+            f"{o['ceiling_rows_per_s']:,.0f} rows/s\n[dim]in-memory Arrow source[/dim]",
+            f"{o['ratio']:.0%}",
+        )
+
+    def load_by_benchmark(self) -> dict[str, dict[str, float]]:
+        """Per benchmark: median load average and share of CPU other processes used during its trials."""
+        out: dict[str, dict[str, float]] = {}
+        for key, trials in self.trials.items():
+            marks = [t["machine"] for t in trials if "machine" in t]
+            if marks:
+                out[key] = {
+                    "load": statistics.median(m["load_median"] for m in marks),
+                    "others_pct": statistics.median(m["cpu_others_pct"] for m in marks),
+                    "steal_pct": statistics.median(m["cpu_steal_pct"] for m in marks),
+                }
+        return out
+
+
+def _table(rows: Sequence[Row], title: str) -> Table:
+    table = Table(title=title, show_lines=True)
+    for col, justify in (
+        ("benchmark", "left"),
+        ("result (median, min-max)", "right"),
+        ("raw ceiling", "right"),
+        ("ratio", "right"),
+        ("target", "left"),
+        ("", "left"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for r in rows:
+        table.add_row(r.benchmark, r.result, r.ceiling, r.ratio, r.target, _verdict(r.ok))
+    return table
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Run the benchmarks; print one table "
+        "of medians next to the raw redis-py ceiling measured in the same run.",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes for a smoke run (default: full sizes, several minutes)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="runs per throughput/latency figure; the median is reported (default 3, 1 with --quick)",
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=BENCHMARKS, metavar="NAME", help=f"run only these: {', '.join(BENCHMARKS)}"
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    args = parser.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
+
+
+def _on_sigterm(signum: int, _frame: Any) -> NoReturn:
+    raise SystemExit(128 + signum)  # unwinds through the context managers, which stop every child
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmarks; exit 1 if a runtime benchmark failed (missed targets and absent modules are reported)."""
+    args = _parse(argv)
+    sizes = QUICK if args.quick else FULL
+    repeats = args.repeats or (1 if args.quick else 3)
+    selected = list(args.only or BENCHMARKS)
+    if _NEEDS_RAW & set(selected) and "raw" not in selected:
+        selected.insert(0, "raw")
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    started = time.time()
+    try:
+        with _server() as (url, embedded):
+            desc = machine.describe(url, embedded)
+            pid = machine.server_pid(url)
+            _progress(
+                f"{desc['cores']} cores ({desc['cpu']}), Python {desc['python']}, {desc['server']}; "
+                f"sizes {'quick' if args.quick else 'full'}, {repeats} run(s) per figure"
+            )
+            runner = Runner(url, sizes, repeats, selected, pid)
+            with machine.Conditions(pid) as conditions:
+                runner.run()
+    finally:
+        procs.stop_all()
+    cond = conditions.summary()
+    rows = runner.rows()
+    out = Console(highlight=False, width=max(Console().width, 140))
+    out.print(_table(rows, f"benchmarks ({'quick' if args.quick else 'full'} sizes, median of {repeats})"))
+    out.print(
+        "ratio: the median over rounds of result / raw ceiling measured in the same round (robust to drifting "
+        "load); raw ceiling and results are medians over rounds"
+    )
+    out.print(f"{desc['cores']} cores · {desc['cpu']} · Python {desc['python']} · {desc['server']}")
+    out.print(
+        f"machine during the run ({cond['minutes']} min): load average {cond['load_first']:.1f} at start, "
+        f"median {cond['load_median']:.1f}, max {cond['load_max']:.1f}; CPU busy {cond['cpu_busy_pct']:.0f}%, "
+        f"of which other processes {cond['cpu_others_pct']:.0f}%; steal {cond['cpu_steal_pct']:.1f}%"
+    )
+    loads = runner.load_by_benchmark()
+    if loads:
+        out.print(
+            "load per benchmark (median load average / CPU share of other processes): "
+            + ", ".join(f"{k} {v['load']:.1f}/{v['others_pct']:.0f}%" for k, v in loads.items())
+        )
+    if args.json:
+        payload = {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "args": {"quick": args.quick, "repeats": repeats, "only": selected},
+            "sizes": attrs.asdict(sizes),
+            "machine": desc,
+            "conditions": cond,
+            "load_by_benchmark": loads,
+            "summary": runner.summary(),
+            "errors": runner.errors,
+            "trials": runner.trials,
+            "table": [attrs.asdict(r) for r in rows],
+        }
+        with open(args.json, "wb") as f:
+            f.write(orjson.dumps(payload, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+        out.print(f"wrote {args.json}")
+    own_failures = [name for name in runner.errors if name not in ("outbox", "spark")]
+    procs.remove_logs(keep=bool(runner.errors))
+    return 1 if own_failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
