@@ -1,0 +1,243 @@
+"""The ``eventlog`` sink: rows a Spark query computes, published as events, once per row.
+
+Each row becomes one event on its topic. Its id is derived (:func:`broker.ids.derive_id`) from
+the query and micro-batch and the row's place in it, or from the ``idColumn`` value when given, and
+it is published through ``publish_once.lua`` with that id as the idempotency key. A micro-batch
+that Spark replays after a crash therefore re-publishes the same ids, and the server drops them.
+
+Columns read from each row (all optional except as noted)::
+
+    payload   the body: JSON text, or a struct/map/array (serialised to JSON); without this
+              column every other non-reserved column goes into a JSON object body
+    type      event type (else option ``type``; one of them is required)
+    key       partition/ordering key
+    headers   map<string,string> of extra headers
+    topic     destination (else option ``topic``; one of them is required)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import os
+from collections.abc import Iterator, Mapping
+from decimal import Decimal
+from typing import Any
+
+import orjson
+import redis
+from pyspark import TaskContext
+from pyspark.sql import Row
+from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
+from pyspark.sql.types import StructType
+
+from broker.codec import encode_fields
+from broker.envelope import EVENT, Envelope, now_ms
+from broker.errors import ConfigurationError
+from broker.headers import IDEMPOTENCY_KEY
+from broker.ids import derive_id
+from broker.keys import KeySpace
+from broker.scripts import load_scripts
+from broker.topology import DestinationSpec, validate_name
+
+__all__ = ["EventBatchWriter", "EventStreamWriter", "SinkCommit", "SinkSettings", "parse_sink_options"]
+
+_RESERVED = ("payload", "type", "key", "headers", "topic")
+_SINK_OPTIONS = ("topic", "type", "idcolumn", "sinkid", "partitions", "dedupwindowms", "namespace", "url",
+                 "checkpointlocation", "path", "queryname")
+_FLUSH = 500  # rows per pipeline round trip
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkSettings:
+    """Checked sink options (picklable: shipped to every task)."""
+
+    url: str
+    namespace: str
+    topic: str | None
+    type: str | None
+    id_column: str | None
+    sink_id: str | None
+    partitions: int
+    dedup_window_ms: int
+    columns: tuple[str, ...]
+    streaming: bool
+
+
+@dataclasses.dataclass
+class SinkCommit(WriterCommitMessage):
+    """What one task published: new events, and replayed rows the server dropped as duplicates."""
+
+    published: int
+    duplicates: int
+
+
+def parse_sink_options(
+    options: Mapping[str, str], defaults: Mapping[str, str], schema: StructType, *, streaming: bool
+) -> SinkSettings:
+    """Check the sink's options against the DataFrame's columns; raise saying what to fix."""
+    merged = {k.lower(): v for k, v in defaults.items()}
+    merged.update({k.lower(): v for k, v in options.items()})
+    unknown = sorted(k for k in merged if k not in _SINK_OPTIONS)
+    if unknown:
+        raise ConfigurationError(
+            f"unknown option(s) {', '.join(unknown)} for the eventlog sink; known: topic, type, idColumn, sinkId, "
+            "partitions, dedupWindowMs, namespace, url"
+        )
+    columns = tuple(schema.fieldNames())
+    topic = merged.get("topic")
+    if topic:
+        validate_name("topic", topic)
+    elif "topic" not in columns:
+        raise ConfigurationError('the eventlog sink needs option topic, e.g. .option("topic", "orders.enriched"), '
+                                 "or a topic column")
+    if not merged.get("type") and "type" not in columns:
+        raise ConfigurationError('the eventlog sink needs option type (e.g. .option("type", "OrderEnriched")) '
+                                 "or a type column")
+    id_column = merged.get("idcolumn")
+    if id_column and id_column not in columns:
+        raise ConfigurationError(f"option idColumn={id_column!r}: no such column; columns: {', '.join(columns)}")
+    if not streaming and not (id_column or merged.get("sinkid")):
+        raise ConfigurationError(
+            "a batch write to the eventlog sink needs option idColumn (a column identifying each row) or sinkId "
+            "(a stable name for this job), so that a retried task does not publish its rows twice"
+        )
+    url = merged.get("url") or os.environ.get("REDIS_URL")
+    if not url:
+        raise ConfigurationError("no broker URL for the eventlog sink: call spark_bridge.register(spark) or set "
+                                 "option url")
+    partitions = int(merged.get("partitions", "1"))
+    from broker.connect import default_namespace
+
+    return SinkSettings(
+        url=url, namespace=merged.get("namespace") or default_namespace(), topic=topic, type=merged.get("type"),
+        id_column=id_column, sink_id=merged.get("sinkid"), partitions=partitions,
+        dedup_window_ms=int(merged.get("dedupwindowms", str(24 * 3600 * 1000))), columns=columns,
+        streaming=streaming,
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Row):
+        return {k: _jsonable(v) for k, v in value.asDict(recursive=False).items()}
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dt.datetime) and value.tzinfo is None:
+        return value.astimezone(dt.UTC)  # Spark hands timestamps over as naive local time
+    if isinstance(value, Decimal):
+        return str(value)
+    return value
+
+
+class _Publisher:
+    """Publishes the rows of one task through publish_once.lua, declaring missing topics."""
+
+    def __init__(self, settings: SinkSettings) -> None:
+        self.s = settings
+        self.keyspace = KeySpace(settings.namespace)
+        self.client = redis.Redis.from_url(settings.url, protocol=2, socket_connect_timeout=5)
+        self.script = self.client.register_script(load_scripts()["publish_once"].source)
+        self.specs: dict[str, DestinationSpec] = {}
+        self.published = self.duplicates = 0
+
+    def spec(self, topic: str) -> DestinationSpec:
+        spec = self.specs.get(topic)
+        if spec is None:
+            key = self.keyspace.destinations
+            wanted = DestinationSpec(name=validate_name("topic", topic), kind=EVENT, partitions=self.s.partitions)
+            self.client.hsetnx(key, topic, orjson.dumps(wanted.to_json()))
+            spec = DestinationSpec.from_json(orjson.loads(self.client.hget(key, topic)))
+            if not spec.is_topic:
+                raise ConfigurationError(f"{topic!r} is a queue; the eventlog sink publishes events to topics")
+            self.specs[topic] = spec
+        return spec
+
+    def envelope(self, row: Row, parent: str, salt: str) -> Envelope:
+        values = row.asDict(recursive=False)
+        topic = self.s.topic or values.get("topic")
+        if not topic:
+            raise ValueError(f"a row has no topic (column topic is null and option topic is not set): {row!r}")
+        event_type = values.get("type") or self.s.type
+        if not event_type:
+            raise ValueError(f"a row has no type (column type is null and option type is not set): {row!r}")
+        if "payload" in values:
+            raw = values["payload"]
+            body = raw.encode() if isinstance(raw, str) else bytes(raw) if isinstance(raw, bytes | bytearray) \
+                else orjson.dumps(_jsonable(raw))
+        else:
+            body = orjson.dumps({k: _jsonable(v) for k, v in values.items() if k not in _RESERVED})
+        if self.s.id_column is not None:
+            parent, salt = self.s.sink_id or f"eventlog:{topic}", str(values[self.s.id_column])
+        event_id = derive_id(parent, salt)
+        headers = {str(k): str(v) for k, v in (values.get("headers") or {}).items()}
+        headers[IDEMPOTENCY_KEY] = event_id
+        key = values.get("key")
+        return Envelope(destination=topic, kind=EVENT, type=str(event_type), body=body,
+                        key=None if key is None else str(key), headers=headers, id=event_id)
+
+    def flush(self, envelopes: list[Envelope]) -> None:
+        if not envelopes:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        now = now_ms()
+        for env in envelopes:
+            pkeys = self.keyspace.partition(env.destination, self.spec(env.destination).partition_for(env.key, env.id))
+            self.script(keys=[pkeys.stream, pkeys.published],
+                        args=[env.id, now, self.s.dedup_window_ms, *encode_fields(env)], client=pipe)
+        for reply in pipe.execute():
+            if reply:
+                self.published += 1
+            else:
+                self.duplicates += 1
+        envelopes.clear()
+
+    def run(self, rows: Iterator[Row], parent: str, partition_id: int) -> SinkCommit:
+        pending: list[Envelope] = []
+        try:
+            for index, row in enumerate(rows):
+                pending.append(self.envelope(row, parent, f"{partition_id}/{index}"))
+                if len(pending) >= _FLUSH:
+                    self.flush(pending)
+            self.flush(pending)
+        finally:
+            self.client.close()
+        return SinkCommit(published=self.published, duplicates=self.duplicates)
+
+
+class EventStreamWriter(DataSourceStreamWriter):
+    """Streaming sink: ids derive from (query id, batch id, partition, row), or from ``idColumn``."""
+
+    def __init__(self, settings: SinkSettings) -> None:
+        self.settings = settings
+
+    def write(self, iterator: Iterator[Row]) -> SinkCommit:
+        """Publish this task's rows; rows of a replayed batch get the same ids and are dropped as duplicates."""
+        ctx = TaskContext.get()
+        assert ctx is not None
+        query = self.settings.sink_id or ctx.getLocalProperty("sql.streaming.queryId") or "query"
+        parent = f"{query}/{ctx.getLocalProperty('streaming.sql.batchId')}"
+        return _Publisher(self.settings).run(iterator, parent, ctx.partitionId())
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Nothing left to do: each task's events are already on their topics."""
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Published events stay; Spark replays the batch and the replay's copies are dropped."""
+
+
+class EventBatchWriter(DataSourceWriter):
+    """Batch sink: ids derive from ``idColumn``, or from (``sinkId``, partition, row)."""
+
+    def __init__(self, settings: SinkSettings) -> None:
+        self.settings = settings
+
+    def write(self, iterator: Iterator[Row]) -> SinkCommit:
+        """Publish this task's rows; a retried task re-publishes the same ids, which are dropped."""
+        ctx = TaskContext.get()
+        assert ctx is not None
+        return _Publisher(self.settings).run(iterator, f"{self.settings.sink_id}", ctx.partitionId())
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Nothing left to do: the events are on their topics."""
