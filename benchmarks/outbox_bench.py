@@ -102,8 +102,14 @@ async def _measure(redis_url: str, database_url: str, messages: int, repeats: in
         await engine.dispose()
 
 
-def run(redis_url: str, database_url: str | None = None, *, messages: int = 100_000, repeats: int = 3,
-        batch_size: int = 1000) -> dict[str, Any]:
+def run(
+    redis_url: str,
+    database_url: str | None = None,
+    *,
+    messages: int = 100_000,
+    repeats: int = 3,
+    batch_size: int = 1000,
+) -> dict[str, Any]:
     """Measure one relay's throughput ``repeats`` times over ``messages`` messages; return the results.
 
     ``database_url`` names a PostgreSQL server (a scratch database is created there and dropped);
@@ -134,13 +140,14 @@ def main() -> None:
             server = EmbeddedServer(data_dir)
             redis_url = server.ensure_running()
             stack.callback(server.stop)
-        r = run(redis_url, args.database_url, messages=args.messages, repeats=args.repeats,
-                batch_size=args.batch_size)
+        r = run(redis_url, args.database_url, messages=args.messages, repeats=args.repeats, batch_size=args.batch_size)
     rows = [
         ("database", f"{r['database']} ({r['server']})"),
         ("messages per run", f"{r['messages']:,} x {r['repeats']} runs, batch {r['batch_size']}"),
-        ("relay (median)", f"{r['relay_msgs_per_s']:,.0f} msg/s   target {TARGET:,}: "
-                           f"{'met' if r['meets_target'] else 'MISSED'}"),
+        (
+            "relay (median)",
+            f"{r['relay_msgs_per_s']:,.0f} msg/s   target {TARGET:,}: {'met' if r['meets_target'] else 'MISSED'}",
+        ),
         ("relay runs", ", ".join(f"{x:,.0f}" for x in r["relay_runs"])),
         ("load (median)", f"{r['load_msgs_per_s']:,.0f} msg/s (stage, {_CHUNK:,} per transaction)"),
     ]

@@ -57,9 +57,18 @@ def publish(url: str, namespace: str, events: int, partitions: int) -> float:
     for i in range(events):
         trace = uuid.uuid4().hex
         env = Envelope(
-            destination=TOPIC, kind="event", type="OrderPlaced", key=f"order-{i}",
-            body=orjson.dumps({"order_id": f"order-{i}", "customer": f"customer-{i % 5000}",
-                               "total_cents": (i * 7919) % 100_000, "currency": "EUR"}),
+            destination=TOPIC,
+            kind="event",
+            type="OrderPlaced",
+            key=f"order-{i}",
+            body=orjson.dumps(
+                {
+                    "order_id": f"order-{i}",
+                    "customer": f"customer-{i % 5000}",
+                    "total_cents": (i * 7919) % 100_000,
+                    "currency": "EUR",
+                }
+            ),
             headers={"traceparent": f"00-{trace}-{trace[:16]}-01", "correlation-id": str(uuid.uuid4())},
         )
         stream = keyspace.partition(TOPIC, spec.partition_for(env.key, env.id)).stream
@@ -163,14 +172,24 @@ def run(redis_url: str, *, events: int = 1_000_000, partitions: int = 4, repeats
         spark.dataSource.register(MemoryArrowSource)
 
         def broker_query(out: Path) -> Any:
-            return start_export(spark, ExportJob(topics=(TOPIC,), to=str(out), checkpoint=str(out) + "-ckpt",
-                                                 url=redis_url, namespace=namespace))
+            return start_export(
+                spark,
+                ExportJob(
+                    topics=(TOPIC,), to=str(out), checkpoint=str(out) + "-ckpt", url=redis_url, namespace=namespace
+                ),
+            )
 
         def memory_query(out: Path) -> Any:
             events_df = spark.readStream.format("bench_memory_arrow").option("dir", str(memory)).load()
-            return (with_date(events_df).writeStream.format("parquet")
-                    .option("path", str(out)).option("checkpointLocation", str(out) + "-ckpt")
-                    .partitionBy("topic", "date").trigger(availableNow=True).start())
+            return (
+                with_date(events_df)
+                .writeStream.format("parquet")
+                .option("path", str(out))
+                .option("checkpointLocation", str(out) + "-ckpt")
+                .partitionBy("topic", "date")
+                .trigger(availableNow=True)
+                .start()
+            )
 
         results: dict[str, list[float]] = {"broker": [], "ceiling": []}
         for attempt in range(repeats + 1):  # attempt 0 warms the JVM and the page cache up
@@ -189,10 +208,16 @@ def run(redis_url: str, *, events: int = 1_000_000, partitions: int = 4, repeats
         broker = statistics.median(results["broker"])
         ceiling = statistics.median(results["ceiling"])
         return {
-            "events": events, "partitions": partitions, "repeats": repeats, "captured": captured,
+            "events": events,
+            "partitions": partitions,
+            "repeats": repeats,
+            "captured": captured,
             "publish_rows_per_s": events / publish_s,
-            "broker_rows_per_s": broker, "ceiling_rows_per_s": ceiling, "ratio": broker / ceiling,
-            "runs": results, "cores": os.cpu_count(),
+            "broker_rows_per_s": broker,
+            "ceiling_rows_per_s": ceiling,
+            "ratio": broker / ceiling,
+            "runs": results,
+            "cores": os.cpu_count(),
         }
     finally:
         if spark is not None and own_session:
@@ -220,8 +245,10 @@ def main() -> None:
 
         url = resolve_url()
     r = run(url, events=args.events, partitions=args.partitions, repeats=args.repeats)
-    print(f"\nSpark bridge benchmark: {r['events']:,} events, {r['partitions']} partitions, "
-          f"{r['cores']} cores, median of {r['repeats']} runs (after one warm-up)")
+    print(
+        f"\nSpark bridge benchmark: {r['events']:,} events, {r['partitions']} partitions, "
+        f"{r['cores']} cores, median of {r['repeats']} runs (after one warm-up)"
+    )
     print(f"{'path':<44}{'rows/s':>12}")
     print(f"{'broker -> Parquet (eventlog source)':<44}{r['broker_rows_per_s']:>12,.0f}")
     print(f"{'in-memory Arrow -> Parquet (ceiling)':<44}{r['ceiling_rows_per_s']:>12,.0f}")

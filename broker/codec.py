@@ -28,7 +28,14 @@ __all__ = ["decode_fields", "decode_flat", "encode_fields", "fields_of"]
 def encode_fields(envelope: Envelope) -> list[bytes | str | int]:
     """Flatten an envelope into XADD field/value arguments."""
     out: list[bytes | str | int] = [
-        "id", envelope.id, "type", envelope.type, "body", envelope.body, "ts", envelope.published_at,
+        "id",
+        envelope.id,
+        "type",
+        envelope.type,
+        "body",
+        envelope.body,
+        "ts",
+        envelope.published_at,
     ]
     if envelope.key is not None:
         out += ("key", envelope.key)
@@ -95,8 +102,9 @@ def decode_flat(flat: list[bytes], destination: str, kind: Kind) -> Envelope:
                     headers = orjson.loads(flat[i + 1])
                 elif name == b"attempt":
                     attempt = int(flat[i + 1])
-            env = Envelope(destination, kind, flat[3].decode(), flat[5], key, headers, flat[1].decode(),
-                           int(flat[7]), attempt)
+            env = Envelope(
+                destination, kind, flat[3].decode(), flat[5], key, headers, flat[1].decode(), int(flat[7]), attempt
+            )
         except (ValueError, UnicodeDecodeError, orjson.JSONDecodeError):
             return decode_fields(fields_of(flat), destination, kind)  # slow path names the problem
         if type(headers) is dict:

@@ -58,8 +58,12 @@ async def connect(
     """
     explicit = bool(url or os.environ.get("REDIS_URL"))
     resolved = resolve_url(url, data_dir)
-    kwargs: dict[str, Any] = {"protocol": 2, "socket_connect_timeout": 5, "socket_keepalive": True,
-                              "connection_class": connection_class_for(resolved)}
+    kwargs: dict[str, Any] = {
+        "protocol": 2,
+        "socket_connect_timeout": 5,
+        "socket_keepalive": True,
+        "connection_class": connection_class_for(resolved),
+    }
     if max_connections:
         kwargs["max_connections"] = max_connections
     client = aredis.Redis.from_url(resolved, **kwargs)

@@ -76,8 +76,9 @@ def _group_totals(state: DestinationState) -> list[dict[str, Any]]:
     totals: dict[str, dict[str, Any]] = {}
     for p in state.partitions:
         for g in p.groups:
-            t = totals.setdefault(g.group, {"group": g.group, "consumers": 0, "pending": 0, "lag": 0,
-                                            "delayed": 0, "dead_letters": 0})
+            t = totals.setdefault(
+                g.group, {"group": g.group, "consumers": 0, "pending": 0, "lag": 0, "delayed": 0, "dead_letters": 0}
+            )
             t["consumers"] = max(t["consumers"], g.consumers)
             for k in ("pending", "lag", "delayed", "dead_letters"):
                 t[k] += getattr(g, k)

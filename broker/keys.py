@@ -74,9 +74,7 @@ class KeySpace:
 
     def __attrs_post_init__(self) -> None:
         if not _NS.match(self.namespace):
-            raise ConfigurationError(
-                f"invalid namespace {self.namespace!r}: use letters, digits, '.', '_' or '-'"
-            )
+            raise ConfigurationError(f"invalid namespace {self.namespace!r}: use letters, digits, '.', '_' or '-'")
 
     @property
     def destinations(self) -> str:

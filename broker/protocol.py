@@ -136,8 +136,9 @@ class Broker(Protocol):
         """Take over entries idle for at least ``min_idle_ms`` from any consumer of the group."""
         ...
 
-    async def extend(self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery],
-                     *, lease_ms: int = 60_000) -> set[str]:
+    async def extend(
+        self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery], *, lease_ms: int = 60_000
+    ) -> set[str]:
         """Reset the idle time of deliveries ``consumer`` still owns; return their entry ids."""
         ...
 

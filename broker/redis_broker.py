@@ -125,7 +125,9 @@ class RedisBroker:
     def group_partition(self, spec: DestinationSpec, partition: int, group: str) -> GroupPartition:
         """The view of ``group`` on one partition (no server call)."""
         return GroupPartition(
-            spec=spec, partition=partition, group=group,
+            spec=spec,
+            partition=partition,
+            group=group,
             keys=self.keyspace.partition(spec.name, partition).group(group),
         )
 
@@ -149,9 +151,7 @@ class RedisBroker:
                 except ResponseError as exc:
                     if "BUSYGROUP" not in str(exc):
                         raise
-        await self.redis.hsetnx(
-            self.keyspace.subscriptions, f"{spec.name}|{group}", orjson.dumps({"start": start})
-        )
+        await self.redis.hsetnx(self.keyspace.subscriptions, f"{spec.name}|{group}", orjson.dumps({"start": start}))
         return views
 
     # -- publishing ----------------------------------------------------------------------------
@@ -294,8 +294,9 @@ class RedisBroker:
             out += self._deliveries(source, [[stream, entries]], counts)
         return out
 
-    async def extend(self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery],
-                     *, lease_ms: int = 60_000) -> set[str]:
+    async def extend(
+        self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery], *, lease_ms: int = 60_000
+    ) -> set[str]:
         """Touch deliveries ``consumer`` still owns so they are not claimed, and extend their inbox
         leases by ``lease_ms``; return the entry ids still owned."""
         owned: set[str] = set()
@@ -304,8 +305,14 @@ class RedisBroker:
             by_stream[d.stream].append(d)
         expiry = now_ms() + lease_ms
         for stream, items in by_stream.items():
-            args = [source.group, consumer, expiry, len(items), *(d.entry_id for d in items),
-                    *(d.message_id for d in items)]
+            args = [
+                source.group,
+                consumer,
+                expiry,
+                len(items),
+                *(d.entry_id for d in items),
+                *(d.message_id for d in items),
+            ]
             reply = await self.scripts["extend"](self.redis, [stream, source.keys.inbox], args)
             owned.update(_text(i) for i in reply)
         return owned
@@ -334,8 +341,13 @@ class RedisBroker:
         pipe.zremrangebyscore(source.keys.inbox, f"({-now_ms()}", "(0")
         return sum(int(x) for x in await pipe.execute())
 
-    async def commit_effects(self, delivery: Delivery, commands: Sequence[Sequence[Any]], keys: Sequence[str],
-                             outgoing: Sequence[Envelope] = ()) -> bool:
+    async def commit_effects(
+        self,
+        delivery: Delivery,
+        commands: Sequence[Sequence[Any]],
+        keys: Sequence[str],
+        outgoing: Sequence[Envelope] = (),
+    ) -> bool:
         """Apply ``commands``, publish ``outgoing``, mark the inbox and ack, atomically.
 
         Returns False (and only acks) when the message was already processed. On a Cluster every
@@ -376,8 +388,17 @@ class RedisBroker:
                 chunk = items[i : i + _ACK_CHUNK]
                 marks = [d.envelope.id for d in chunk if d.envelope is not None] if inbox else []
                 counters = [d.envelope.id for d in chunk if d.delivery_count > 1 and d.envelope is not None]
-                args: list[Any] = [source.group, delete, now, len(chunk), len(marks), len(counters),
-                                   *(d.entry_id for d in chunk), *marks, *counters]
+                args: list[Any] = [
+                    source.group,
+                    delete,
+                    now,
+                    len(chunk),
+                    len(marks),
+                    len(counters),
+                    *(d.entry_id for d in chunk),
+                    *marks,
+                    *counters,
+                ]
                 calls.append(("ack", [stream, *script_keys], args))
         return sum(int(r) for r in await self._run_pipeline(calls))
 
@@ -448,9 +469,7 @@ class RedisBroker:
         if not spec.is_topic or (spec.retention_ms is None and spec.max_length is None):
             return 0
         cutoff = f"{max(now_ms - spec.retention_ms, 0)}-0" if spec.retention_ms is not None else "0"
-        return int(await self.scripts["trim"](
-            self.redis, [pkeys.stream], [cutoff, spec.max_length or 0, max_removed]
-        ))
+        return int(await self.scripts["trim"](self.redis, [pkeys.stream], [cutoff, spec.max_length or 0, max_removed]))
 
     # -- dead letters and subscriptions ------------------------------------------------------------
 

@@ -16,8 +16,19 @@ from redis.exceptions import NoScriptError
 
 __all__ = ["Script", "load_scripts"]
 
-_NAMES = ("ack", "dead_letter", "retry_later", "move_due", "extend", "trim", "publish_once", "redrive", "inbox_claim",
-          "commit_effects", "publish_batch")
+_NAMES = (
+    "ack",
+    "dead_letter",
+    "retry_later",
+    "move_due",
+    "extend",
+    "trim",
+    "publish_once",
+    "redrive",
+    "inbox_claim",
+    "commit_effects",
+    "publish_batch",
+)
 
 
 class Script:

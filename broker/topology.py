@@ -25,8 +25,7 @@ def validate_name(what: str, name: str) -> str:
     """Return ``name`` if it is a valid destination/group/service name, else raise a clear error."""
     if not isinstance(name, str) or not _NAME.match(name):
         raise ConfigurationError(
-            f"invalid {what} name {name!r}: use 1-200 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
+            f"invalid {what} name {name!r}: use 1-200 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
     return name
 

@@ -42,7 +42,9 @@ def _start_worker(target: str, name: str, url: str, logs: Path) -> subprocess.Po
     log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the worker
     return subprocess.Popen(
         [sys.executable, "-m", "framework", "run", target, "--consumer", name, "--visibility-timeout", "3"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -109,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
         killed = False
         checks: list[tuple[str, object, bool]] = [("demo finished", "no", False)]
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console) as progress:
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        ) as progress:
             placing = progress.add_task("placing orders", total=len(orders))
             charging = progress.add_task("charged once", total=len(expected))
             with SyncClient(url, namespace=NAMESPACE) as client:
@@ -122,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                     if not killed and charged > len(expected) // 3:
                         workers["billing-a"].send_signal(signal.SIGKILL)
                         killed = True
-                        progress.console.print("[red]SIGKILL billing-a[/] while it holds unacknowledged events; "
-                                               "billing-b claims them after the 3 s visibility timeout")
+                        progress.console.print(
+                            "[red]SIGKILL billing-a[/] while it holds unacknowledged events; "
+                            "billing-b claims them after the 3 s visibility timeout"
+                        )
 
                 for i in range(0, len(orders), 100):
                     client.send_many(PLACE_ORDER, orders[i : i + 100], key=lambda o: o.customer)
@@ -135,8 +140,11 @@ def main(argv: list[str] | None = None) -> int:
                 watch()
                 time.sleep(0.1)
             watch()
-        _wait(lambda: sum(1 for _ in r.scan_iter(f"{NAMESPACE}:{{orders.placed:*}}:g:billing:dlq")) > 0
-              or not declined, 30, "dead letters")
+        _wait(
+            lambda: sum(1 for _ in r.scan_iter(f"{NAMESPACE}:{{orders.placed:*}}:g:billing:dlq")) > 0 or not declined,
+            30,
+            "dead letters",
+        )
         time.sleep(0.5)
 
         charges = {k.decode(): int(v) for k, v in r.hgetall(CHARGES_KEY).items()}
@@ -165,16 +173,22 @@ def main(argv: list[str] | None = None) -> int:
         console.print(table)
         if dead:
             d = dead[0]
-            console.print(f"a dead letter: [bold]{d.ref}[/]\n  reason: {d.reason}\n  attempts: {d.attempts}, "
-                          f"handler: {d.handler}, error type: {d.error_type}")
+            console.print(
+                f"a dead letter: [bold]{d.ref}[/]\n  reason: {d.reason}\n  attempts: {d.attempts}, "
+                f"handler: {d.handler}, error type: {d.error_type}"
+            )
         status = Table(title=f"framework status --namespace {NAMESPACE}")
         for col in ("destination", "kind", "parts", "depth", "group", "pending", "lag", "dlq"):
             status.add_column(col)
         for s in states:
             for g in s.to_json()["groups"] or [None]:
-                status.add_row(s.spec.name, "queue" if s.spec.kind == "command" else "topic", str(s.spec.partitions),
-                               str(s.depth), *(map(str, (g["group"], g["pending"], g["lag"], g["dead_letters"]))
-                                               if g else ("-", "", "", "")))
+                status.add_row(
+                    s.spec.name,
+                    "queue" if s.spec.kind == "command" else "topic",
+                    str(s.spec.partitions),
+                    str(s.depth),
+                    *(map(str, (g["group"], g["pending"], g["lag"], g["dead_letters"])) if g else ("-", "", "", "")),
+                )
         console.print(status)
     finally:
         for proc in workers.values():

@@ -59,8 +59,7 @@ async def place_order(cmd: PlaceOrder, ctx: Context) -> None:
     """Accept an order and announce it."""
     if cmd.total_cents <= 0:
         raise ValueError(f"order {cmd.order_id} has a non-positive total")
-    ctx.publish(ORDERS_PLACED, OrderPlaced(cmd.order_id, cmd.customer, cmd.total_cents, cmd.card),
-                key=cmd.order_id)
+    ctx.publish(ORDERS_PLACED, OrderPlaced(cmd.order_id, cmd.customer, cmd.total_cents, cmd.card), key=cmd.order_id)
 
 
 billing = Service("billing", retry=RetryPolicy(max_attempts=5, backoff=0.2, fatal=(PaymentDeclined,)))

@@ -95,8 +95,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         consumer=args.consumer,
     )
-    runtime = Runtime(services, url=args.redis_url, namespace=args.namespace, settings=settings,
-                      outbox_database_url=args.outbox_relay)
+    runtime = Runtime(
+        services, url=args.redis_url, namespace=args.namespace, settings=settings, outbox_database_url=args.outbox_relay
+    )
     log = get_logger("framework.cli")
 
     async def watch_signals(scope: anyio.CancelScope) -> None:
@@ -147,10 +148,23 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for s in states:
         groups = s.to_json()["groups"] or [None]
         for i, g in enumerate(groups):
-            head = [s.spec.name, "queue" if s.spec.kind == "command" else "topic", str(s.spec.partitions),
-                    str(s.depth)] if i == 0 else ["", "", "", ""]
-            tail = ([g["group"], str(g["consumers"]), str(g["pending"]), str(g["lag"]), str(g["delayed"]),
-                     str(g["dead_letters"])] if g else ["(no group)", "", "", "", "", ""])
+            head = (
+                [s.spec.name, "queue" if s.spec.kind == "command" else "topic", str(s.spec.partitions), str(s.depth)]
+                if i == 0
+                else ["", "", "", ""]
+            )
+            tail = (
+                [
+                    g["group"],
+                    str(g["consumers"]),
+                    str(g["pending"]),
+                    str(g["lag"]),
+                    str(g["delayed"]),
+                    str(g["dead_letters"]),
+                ]
+                if g
+                else ["(no group)", "", "", "", "", ""]
+            )
             table.add_row(*head, *tail)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if not states:
@@ -169,8 +183,9 @@ def _cmd_produce(kind: str) -> Callable[[argparse.Namespace], int]:
         async def go() -> str:
             async with Client(args.redis_url, namespace=args.namespace) as client:
                 method = client.send if kind == "command" else client.publish
-                return await method(args.destination, payload, key=args.key, type=args.type,
-                                    idempotency_key=args.idempotency_key)
+                return await method(
+                    args.destination, payload, key=args.key, type=args.type, idempotency_key=args.idempotency_key
+                )
 
         message_id = anyio.run(go)
         print(message_id)
@@ -210,10 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``framework`` command."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default=argparse.SUPPRESS, help="debug, info, warning, error (default: info)")
-    common.add_argument("--log-format", choices=("console", "json"), default=argparse.SUPPRESS,
-                        help="default: console on a terminal, json otherwise")
-    parser = _Parser(prog="framework", description="Event-driven microservices on Redis Streams.",
-                     parents=[common])
+    common.add_argument(
+        "--log-format",
+        choices=("console", "json"),
+        default=argparse.SUPPRESS,
+        help="default: console on a terminal, json otherwise",
+    )
+    parser = _Parser(prog="framework", description="Event-driven microservices on Redis Streams.", parents=[common])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     real_add = sub.add_parser
 
@@ -226,14 +244,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("targets", nargs="+", metavar="MODULE:SERVICE", help="e.g. example_services.billing:service")
     run.add_argument("--concurrency", type=positive_int, default=64, help="handlers running at once (default 64)")
     run.add_argument("--prefetch", type=positive_int, default=500, help="entries fetched per read (default 500)")
-    run.add_argument("--visibility-timeout", type=positive_duration, default=60.0,
-                     help="seconds before another consumer may claim an unacknowledged entry (default 60)")
-    run.add_argument("--shutdown-timeout", type=positive_duration, default=30.0,
-                     help="seconds in-flight handlers get to finish on shutdown (default 30)")
+    run.add_argument(
+        "--visibility-timeout",
+        type=positive_duration,
+        default=60.0,
+        help="seconds before another consumer may claim an unacknowledged entry (default 60)",
+    )
+    run.add_argument(
+        "--shutdown-timeout",
+        type=positive_duration,
+        default=30.0,
+        help="seconds in-flight handlers get to finish on shutdown (default 30)",
+    )
     run.add_argument("--consumer", default=None, help="consumer name (default: host name and a free slot)")
-    run.add_argument("--outbox-relay", nargs="?", const="", default=None, metavar="DATABASE_URL",
-                     help="also run an outbox relay in this process (default database: $DATABASE_URL, "
-                          "else ./.framework/outbox.db)")
+    run.add_argument(
+        "--outbox-relay",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DATABASE_URL",
+        help="also run an outbox relay in this process (default database: $DATABASE_URL, else ./.framework/outbox.db)",
+    )
     _connection_options(run)
     run.set_defaults(func=_cmd_run)
 

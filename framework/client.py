@@ -47,8 +47,9 @@ class Client:
     embedded server.
     """
 
-    def __init__(self, url: str | None = None, *, namespace: str | None = None,
-                 broker: RedisBroker | None = None) -> None:
+    def __init__(
+        self, url: str | None = None, *, namespace: str | None = None, broker: RedisBroker | None = None
+    ) -> None:
         self._url = url
         self._namespace = namespace
         self._broker = broker
@@ -89,33 +90,67 @@ class Client:
                 self._declared.add(spec.name)
         return await broker.publish([env for env, _ in items], dedup_window_ms=dedup_window_ms)
 
-    async def send(self, queue: str | Queue, command: Any, *, key: str | None = None,
-                   headers: Mapping[str, str] | None = None, type: str | None = None,
-                   idempotency_key: str | None = None, message_id: str | None = None) -> str:
+    async def send(
+        self,
+        queue: str | Queue,
+        command: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        type: str | None = None,
+        idempotency_key: str | None = None,
+        message_id: str | None = None,
+    ) -> str:
         """Send a command to ``queue``; return its message id."""
-        item = build_envelope(queue, COMMAND, command, key=key, headers=headers, type=type,
-                              idempotency_key=idempotency_key, message_id=message_id)
+        item = build_envelope(
+            queue,
+            COMMAND,
+            command,
+            key=key,
+            headers=headers,
+            type=type,
+            idempotency_key=idempotency_key,
+            message_id=message_id,
+        )
         await self._publish([item])
         return item[0].id
 
-    async def publish(self, topic: str | Topic, event: Any, *, key: str | None = None,
-                      headers: Mapping[str, str] | None = None, type: str | None = None,
-                      idempotency_key: str | None = None, message_id: str | None = None) -> str:
+    async def publish(
+        self,
+        topic: str | Topic,
+        event: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        type: str | None = None,
+        idempotency_key: str | None = None,
+        message_id: str | None = None,
+    ) -> str:
         """Publish an event to ``topic``; return its message id."""
-        item = build_envelope(topic, EVENT, event, key=key, headers=headers, type=type,
-                              idempotency_key=idempotency_key, message_id=message_id)
+        item = build_envelope(
+            topic,
+            EVENT,
+            event,
+            key=key,
+            headers=headers,
+            type=type,
+            idempotency_key=idempotency_key,
+            message_id=message_id,
+        )
         await self._publish([item])
         return item[0].id
 
-    async def send_many(self, queue: str | Queue, commands: Iterable[Any], *,
-                        key: Callable[[Any], str] | None = None) -> list[str]:
+    async def send_many(
+        self, queue: str | Queue, commands: Iterable[Any], *, key: Callable[[Any], str] | None = None
+    ) -> list[str]:
         """Send many commands in one pipeline; ``key`` computes each one's key."""
         items = [build_envelope(queue, COMMAND, c, key=key(c) if key else None) for c in commands]
         await self._publish(items)
         return [env.id for env, _ in items]
 
-    async def publish_many(self, topic: str | Topic, events: Iterable[Any], *,
-                           key: Callable[[Any], str] | None = None) -> list[str]:
+    async def publish_many(
+        self, topic: str | Topic, events: Iterable[Any], *, key: Callable[[Any], str] | None = None
+    ) -> list[str]:
         """Publish many events in one pipeline; ``key`` computes each one's key."""
         items = [build_envelope(topic, EVENT, e, key=key(e) if key else None) for e in events]
         await self._publish(items)

@@ -167,8 +167,9 @@ class Consumer:
             held[d.entry_id] = (d, now)
         state.in_flight += len(deliveries)
         runnable = [d for d in deliveries if d.envelope is not None]
-        poison += [(d, poison_reason(handler, d, f"undecodable message: {d.error}"))
-                   for d in deliveries if d.envelope is None]
+        poison += [
+            (d, poison_reason(handler, d, f"undecodable message: {d.error}")) for d in deliveries if d.envelope is None
+        ]
         if handler.inbox and runnable:
             runnable = await self._check_inbox(state, runnable)
         for d in runnable:
@@ -239,8 +240,9 @@ class Consumer:
             try:
                 await self.runtime.publish_outgoing(outgoing)
             except Exception as exc:
-                self._log.error("could not publish staged messages; the batch will be redelivered",
-                                count=len(done), exc_info=exc)
+                self._log.error(
+                    "could not publish staged messages; the batch will be redelivered", count=len(done), exc_info=exc
+                )
                 self._forget(state, done)
                 return
         self.stats.processed += len(done)
@@ -346,7 +348,8 @@ class Consumer:
         max_attempts = self.handler.retry.max_attempts
         if attempt > max_attempts:
             reason = poison_reason(
-                self.handler, d,
+                self.handler,
+                d,
                 f"started {attempt - 1} times (max_attempts {max_attempts}) without completing: "
                 "the worker crashed or stalled past the visibility timeout each time",
                 attempts=attempt - 1,
@@ -373,8 +376,11 @@ class Consumer:
         state.capacity.set()
 
     def _log_failure(self, d: Delivery, attempt: int, exc: BaseException, decision: Decision) -> None:
-        what = {"retry": "retrying now", "delay": f"retrying in {decision.seconds:.2f}s",
-                "dead": "moving to the dead-letter queue"}[decision.action]
+        what = {
+            "retry": "retrying now",
+            "delay": f"retrying in {decision.seconds:.2f}s",
+            "dead": "moving to the dead-letter queue",
+        }[decision.action]
         self._log.warning(
             f"handler failed; {what}",
             message_id=d.message_id,
@@ -393,15 +399,20 @@ class Consumer:
                 await broker.retry_later(d, now_ms() + int(decision.seconds * 1000), attempt=attempt)
                 self.stats.retried += 1
             else:
-                await self._dead_letter(state, d, exception_reason(self.handler, d, attempt, exc, decision.reason),
-                                        forget=False)
+                await self._dead_letter(
+                    state, d, exception_reason(self.handler, d, attempt, exc, decision.reason), forget=False
+                )
         except Exception as err:
-            self._log.error("could not settle a failed message; it stays pending and will be redelivered",
-                            message_id=d.message_id, exc_info=err)
+            self._log.error(
+                "could not settle a failed message; it stays pending and will be redelivered",
+                message_id=d.message_id,
+                exc_info=err,
+            )
         self._forget(state, [d])
 
-    async def _dead_letter(self, state: _PartitionState, d: Delivery, reason: dict[str, str],
-                           *, forget: bool = True) -> None:
+    async def _dead_letter(
+        self, state: _PartitionState, d: Delivery, reason: dict[str, str], *, forget: bool = True
+    ) -> None:
         try:
             entry = await self.runtime.broker.dead_letter(d, reason)
         except Exception as err:
@@ -409,8 +420,9 @@ class Consumer:
         else:
             if entry is not None:
                 self.stats.dead_lettered += 1
-                self._log.error("message dead-lettered", message_id=d.message_id, reason=reason.get("dlq-reason"),
-                                dlq_entry=entry)
+                self._log.error(
+                    "message dead-lettered", message_id=d.message_id, reason=reason.get("dlq-reason"), dlq_entry=entry
+                )
         if forget:
             self._forget(state, [d])
 
@@ -450,8 +462,9 @@ class Consumer:
         )
         fresh = [d for d in deliveries if d.entry_id not in state.held]
         if fresh:
-            self._log.info("claimed entries idle past the visibility timeout", partition=state.view.partition,
-                           count=len(fresh))
+            self._log.info(
+                "claimed entries idle past the visibility timeout", partition=state.view.partition, count=len(fresh)
+            )
             await self._admit(state, fresh)
 
     async def _extend(self, state: _PartitionState) -> None:

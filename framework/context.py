@@ -143,24 +143,52 @@ class Context:
         """
         return sql_transaction(self, engine)
 
-    def _stage(self, kind: str, destination: str | Queue | Topic, payload: Any, key: str | None,
-               headers: Mapping[str, str] | None, type: str | None) -> _Staged:
+    def _stage(
+        self,
+        kind: str,
+        destination: str | Queue | Topic,
+        payload: Any,
+        key: str | None,
+        headers: Mapping[str, str] | None,
+        type: str | None,
+    ) -> _Staged:
         env = self.envelope
         hdrs = {CORRELATION_ID: self.correlation_id, CAUSATION_ID: env.id}
         if headers:
             hdrs.update(headers)
         message_id = derive_id(env.id, f"{self._handler.service}/{len(self._outgoing)}")
-        out = build_envelope(destination, kind, payload, key=key, headers=hdrs, type=type,  # type: ignore[arg-type]
-                             message_id=message_id)
+        out = build_envelope(
+            destination,
+            kind,
+            payload,
+            key=key,
+            headers=hdrs,
+            type=type,  # type: ignore[arg-type]
+            message_id=message_id,
+        )
         self._outgoing.append(out)
         return _Staged(message_id)
 
-    def send(self, queue: str | Queue, command: Any, *, key: str | None = None,
-             headers: Mapping[str, str] | None = None, type: str | None = None) -> _Staged:
+    def send(
+        self,
+        queue: str | Queue,
+        command: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        type: str | None = None,
+    ) -> _Staged:
         """Stage a command for ``queue``; it is sent only if this handler succeeds."""
         return self._stage(COMMAND, queue, command, key, headers, type)
 
-    def publish(self, topic: str | Topic, event: Any, *, key: str | None = None,
-                headers: Mapping[str, str] | None = None, type: str | None = None) -> _Staged:
+    def publish(
+        self,
+        topic: str | Topic,
+        event: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        type: str | None = None,
+    ) -> _Staged:
         """Stage an event for ``topic``; it is published only if this handler succeeds."""
         return self._stage(EVENT, topic, event, key, headers, type)

@@ -112,8 +112,9 @@ class DeadLetters:
                 views += [self.broker.group_partition(spec, p, grp) for p in range(spec.partitions)]
         return views
 
-    async def list(self, *, group: str | None = None, destination: str | None = None,
-                   limit: int | None = None) -> list[DeadLetter]:
+    async def list(
+        self, *, group: str | None = None, destination: str | None = None, limit: int | None = None
+    ) -> list[DeadLetter]:
         """Dead letters, filtered by group and/or destination, oldest first per partition."""
         out: list[DeadLetter] = []
         for view in await self._views(group, destination):
@@ -148,8 +149,9 @@ class DeadLetters:
                 found.append(d)
         return found
 
-    async def _select(self, idents: Iterable[str] | None, group: str | None, destination: str | None,
-                      everything: bool) -> list[DeadLetter]:
+    async def _select(
+        self, idents: Iterable[str] | None, group: str | None, destination: str | None, everything: bool
+    ) -> list[DeadLetter]:
         idents = list(idents or [])
         if idents:
             found = await self._resolve(idents)
@@ -161,9 +163,15 @@ class DeadLetters:
             raise ValueError("name dead letters by id, or select them with a group/destination, or all")
         return await self.list(group=group, destination=destination)
 
-    async def redrive(self, idents: Iterable[str] | None = None, *, group: str | None = None,
-                      destination: str | None = None, everything: bool = False,
-                      rate: float | None = None) -> int:
+    async def redrive(
+        self,
+        idents: Iterable[str] | None = None,
+        *,
+        group: str | None = None,
+        destination: str | None = None,
+        everything: bool = False,
+        rate: float | None = None,
+    ) -> int:
         """Give dead letters back to their failing group only (as first attempts); returns how many.
 
         ``rate`` caps the moves per second, so a large DLQ does not flood a recovering service.
@@ -180,8 +188,14 @@ class DeadLetters:
                     await anyio.sleep(1 / rate)
         return moved
 
-    async def purge(self, idents: Iterable[str] | None = None, *, group: str | None = None,
-                    destination: str | None = None, everything: bool = False) -> int:
+    async def purge(
+        self,
+        idents: Iterable[str] | None = None,
+        *,
+        group: str | None = None,
+        destination: str | None = None,
+        everything: bool = False,
+    ) -> int:
         """Delete dead letters for good; returns how many."""
         removed = 0
         for d in await self._select(idents, group, destination, everything):

@@ -41,7 +41,8 @@ def _register_cmds(usage_error: type[Exception]) -> dict[str, Callable[[argparse
 
     def list_cmd(args: argparse.Namespace) -> int:
         items: list[DeadLetter] = _with_dlq(
-            args, lambda d: d.list(group=args.group, destination=args.destination, limit=args.limit))
+            args, lambda d: d.list(group=args.group, destination=args.destination, limit=args.limit)
+        )
         if args.json:
             _print_json([i.to_json() for i in items])
             return 0
@@ -95,8 +96,11 @@ def _register_cmds(usage_error: type[Exception]) -> dict[str, Callable[[argparse
     def purge_cmd(args: argparse.Namespace) -> int:
         sel = selection(args)
         if not args.yes:
-            count = len(args.ids) if args.ids else _with_dlq(
-                args, lambda d: d.count(group=args.group, destination=args.destination))
+            count = (
+                len(args.ids)
+                if args.ids
+                else _with_dlq(args, lambda d: d.count(group=args.group, destination=args.destination))
+            )
             if not sys.stdin.isatty():
                 raise usage_error(f"refusing to purge {count} dead letter(s) without confirmation: pass --yes")
             answer = input(f"Delete {count} dead letter(s) for good? [y/N] ").strip().lower()
@@ -135,8 +139,9 @@ def _unsubscribe_cmd(usage_error: type[Exception]) -> Callable[[argparse.Namespa
     return run
 
 
-def register(sub: Any, connection_options: Callable[[argparse.ArgumentParser], None],
-             usage_error: type[Exception]) -> None:
+def register(
+    sub: Any, connection_options: Callable[[argparse.ArgumentParser], None], usage_error: type[Exception]
+) -> None:
     """Add ``dlq`` and ``unsubscribe`` to the ``framework`` command."""
     cmds = _register_cmds(usage_error)
     dlq = sub.add_parser("dlq", help="list, show, redrive and purge dead letters")
@@ -156,8 +161,10 @@ def register(sub: Any, connection_options: Callable[[argparse.ArgumentParser], N
     connection_options(p)
     p.set_defaults(func=cmds["show"])
 
-    for name, helptext in (("redrive", "give dead letters back to their failing group only"),
-                           ("purge", "delete dead letters for good")):
+    for name, helptext in (
+        ("redrive", "give dead letters back to their failing group only"),
+        ("purge", "delete dead letters for good"),
+    ):
         p = actions.add_parser(name, help=helptext)
         p.add_argument("ids", nargs="*", help="refs or message ids")
         p.add_argument("--group")

@@ -35,8 +35,9 @@ def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
         exc = [structlog.processors.dict_tracebacks]
     else:
         # plain tracebacks: rich's (structlog's default) costs ~100 ms per failure on the hot path
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(),
-                                                 exception_formatter=structlog.dev.plain_traceback)
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
+        )
         exc = []
     structlog.configure(
         processors=[

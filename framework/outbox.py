@@ -166,10 +166,11 @@ async def add(
         elif isinstance(destination, Queue):
             kind = COMMAND
         else:
-            raise TypeError(f"say whether {destination!r} is a topic or a queue: kind='event' or kind='command' "
-                            "(or use add_event / add_command)")
-    outgoing = build_envelope(destination, kind, payload, key=key, headers=headers, type=type,
-                              message_id=message_id)
+            raise TypeError(
+                f"say whether {destination!r} is a topic or a queue: kind='event' or kind='command' "
+                "(or use add_event / add_command)"
+            )
+    outgoing = build_envelope(destination, kind, payload, key=key, headers=headers, type=type, message_id=message_id)
     await stage(conn, [outgoing])
     return outgoing[0].id
 
@@ -204,5 +205,3 @@ async def claim_inbox(conn: AsyncConnection, group: str, message_id: str) -> boo
         {"group_name": group, "message_id": message_id, "processed_at": datetime.now(UTC)},
     )
     return bool(result.rowcount == 1)
-
-

@@ -27,8 +27,9 @@ def _sql_modules() -> tuple[Any, Any]:
         from framework import outbox, sql
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] in ("sqlalchemy", "psycopg", "aiosqlite", "greenlet"):
-            raise _Fail(f"the outbox needs the SQL extra ({exc.name} is missing): "
-                        "pip install 'framework[sql]'") from None
+            raise _Fail(
+                f"the outbox needs the SQL extra ({exc.name} is missing): pip install 'framework[sql]'"
+            ) from None
         raise
     return outbox, sql
 
@@ -104,17 +105,27 @@ def _commands(usage_error: type[Exception]) -> dict[str, Callable[[argparse.Name
                 await _checked(engine)
                 broker = await connect(args.redis_url, namespace=args.namespace)
                 try:
-                    relay = OutboxRelay(engine, broker, batch_size=args.batch_size, poll_interval=args.poll_interval,
-                                        retention=args.retention, concurrency=args.concurrency,
-                                        max_shards=args.max_shards)
+                    relay = OutboxRelay(
+                        engine,
+                        broker,
+                        batch_size=args.batch_size,
+                        poll_interval=args.poll_interval,
+                        retention=args.retention,
+                        concurrency=args.concurrency,
+                        max_shards=args.max_shards,
+                    )
                     if args.once:
                         try:
                             settled = await relay.drain()
                         except (RedisError, SQLAlchemyError) as exc:
-                            raise _Fail(f"stopped after publishing {relay.published} message(s): {_one_line(exc)}; "
-                                        "the next run publishes the rest") from None
-                        print(f"published {relay.published} message(s)"
-                              + (f", set {settled - relay.published} aside" if settled > relay.published else ""))
+                            raise _Fail(
+                                f"stopped after publishing {relay.published} message(s): {_one_line(exc)}; "
+                                "the next run publishes the rest"
+                            ) from None
+                        print(
+                            f"published {relay.published} message(s)"
+                            + (f", set {settled - relay.published} aside" if settled > relay.published else "")
+                        )
                         return 0
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(_stop_on_signals, relay, log)
@@ -178,8 +189,10 @@ def _commands(usage_error: type[Exception]) -> dict[str, Callable[[argparse.Name
         oldest = st["oldest_waiting_seconds"]
         age = f" (oldest waiting {oldest:.1f} s)" if oldest is not None else ""
         print(f"waiting:   {st['waiting']}{age}")
-        print(f"refused:   {st['refused']}" + ("  (see the error column; `framework outbox retry` once fixed)"
-                                                 if st["refused"] else ""))
+        print(
+            f"refused:   {st['refused']}"
+            + ("  (see the error column; `framework outbox retry` once fixed)" if st["refused"] else "")
+        )
         print(f"sent:      {st['sent']} (kept for the retention period)")
         print(f"inbox:     {st['inbox']} record(s)")
         return 0
@@ -207,8 +220,16 @@ def _commands(usage_error: type[Exception]) -> dict[str, Callable[[argparse.Name
         print(f"{anyio.run(main)} refused message(s) will be published again")
         return 0
 
-    return {name: _guarded(fn) for name, fn in (("relay", relay_cmd), ("migrate", migrate_cmd), ("ddl", ddl_cmd),
-                                                  ("status", status_cmd), ("retry", retry_cmd))}
+    return {
+        name: _guarded(fn)
+        for name, fn in (
+            ("relay", relay_cmd),
+            ("migrate", migrate_cmd),
+            ("ddl", ddl_cmd),
+            ("status", status_cmd),
+            ("retry", retry_cmd),
+        )
+    }
 
 
 async def _stop_on_signals(relay: Any, log: Any) -> None:
@@ -249,19 +270,27 @@ async def _status(engine: Any) -> dict[str, Any]:
 
 
 def _database_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--database-url", default=None,
-                   help="postgresql://... or sqlite:///file.db (default: $DATABASE_URL, else ./.framework/outbox.db)")
+    p.add_argument(
+        "--database-url",
+        default=None,
+        help="postgresql://... or sqlite:///file.db (default: $DATABASE_URL, else ./.framework/outbox.db)",
+    )
 
 
 def _logging_options(p: argparse.ArgumentParser) -> None:
     # nested sub-commands do not inherit the top-level parser's parents
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="debug, info, warning, error (default: info)")
-    p.add_argument("--log-format", choices=("console", "json"), default=argparse.SUPPRESS,
-                   help="default: console on a terminal, json otherwise")
+    p.add_argument(
+        "--log-format",
+        choices=("console", "json"),
+        default=argparse.SUPPRESS,
+        help="default: console on a terminal, json otherwise",
+    )
 
 
-def register(sub: Any, connection_options: Callable[[argparse.ArgumentParser], None],
-             usage_error: type[Exception]) -> None:
+def register(
+    sub: Any, connection_options: Callable[[argparse.ArgumentParser], None], usage_error: type[Exception]
+) -> None:
     """Add ``outbox`` (relay, migrate, ddl, status, retry) to the ``framework`` command."""
     cmds = _commands(usage_error)
     outbox = sub.add_parser("outbox", help="database outbox: run the relay, create the tables, print the DDL")
@@ -270,15 +299,27 @@ def register(sub: Any, connection_options: Callable[[argparse.ArgumentParser], N
     p = actions.add_parser("relay", help="publish committed outbox messages until SIGTERM/SIGINT")
     _database_option(p)
     p.add_argument("--batch-size", type=positive_int, default=1000, help="messages per transaction (default 1000)")
-    p.add_argument("--poll-interval", type=duration, default=None,
-                   help="idle check interval: a fallback on PostgreSQL, which wakes on NOTIFY (default 2s; "
-                        "SQLite 0.05s)")
-    p.add_argument("--retention", type=duration, default=24 * 3600.0,
-                   help="how long sent messages are kept, e.g. 3600, 12h, 7d (default 24h)")
-    p.add_argument("--concurrency", type=positive_int, default=2,
-                   help="batches in flight at once on PostgreSQL (default 2)")
-    p.add_argument("--max-shards", type=positive_int, default=16,
-                   help="shards (of 64) one PostgreSQL batch claims, leaving others to other relays (default 16)")
+    p.add_argument(
+        "--poll-interval",
+        type=duration,
+        default=None,
+        help="idle check interval: a fallback on PostgreSQL, which wakes on NOTIFY (default 2s; SQLite 0.05s)",
+    )
+    p.add_argument(
+        "--retention",
+        type=duration,
+        default=24 * 3600.0,
+        help="how long sent messages are kept, e.g. 3600, 12h, 7d (default 24h)",
+    )
+    p.add_argument(
+        "--concurrency", type=positive_int, default=2, help="batches in flight at once on PostgreSQL (default 2)"
+    )
+    p.add_argument(
+        "--max-shards",
+        type=positive_int,
+        default=16,
+        help="shards (of 64) one PostgreSQL batch claims, leaving others to other relays (default 16)",
+    )
     p.add_argument("--once", action="store_true", help="publish what is waiting now, then exit")
     connection_options(p)
     _logging_options(p)
@@ -290,8 +331,12 @@ def register(sub: Any, connection_options: Callable[[argparse.ArgumentParser], N
     p.set_defaults(func=cmds["migrate"])
 
     p = actions.add_parser("ddl", help="print the DDL, for your own migration tool")
-    p.add_argument("--dialect", choices=_DIALECTS, default=None,
-                   help="default: that of --database-url / $DATABASE_URL (SQLite without either)")
+    p.add_argument(
+        "--dialect",
+        choices=_DIALECTS,
+        default=None,
+        help="default: that of --database-url / $DATABASE_URL (SQLite without either)",
+    )
     _database_option(p)
     p.set_defaults(func=cmds["ddl"])
 

@@ -86,16 +86,27 @@ _PG_MOVE = f"""
 _o, _s, _i = outbox_table, sent_table, inbox_table
 _SQLITE_ANY_WAITING = select(_o.c.seq).where(_o.c.error.is_(None)).limit(1)
 _SQLITE_ROWS = (
-    select(_o.c.seq, _o.c.message_id, _o.c.destination, _o.c.kind, _o.c.type, _o.c.key, _o.c.headers, _o.c.body,
-           _o.c.spec, _o.c.created_at)
+    select(
+        _o.c.seq,
+        _o.c.message_id,
+        _o.c.destination,
+        _o.c.kind,
+        _o.c.type,
+        _o.c.key,
+        _o.c.headers,
+        _o.c.body,
+        _o.c.spec,
+        _o.c.created_at,
+    )
     .where(_o.c.error.is_(None))
     .order_by(_o.c.seq)
     .limit(bindparam("limit"))
 )
 _SQLITE_COPY = insert(_s).from_select(
     ["seq", *_COLUMNS.split(", "), "sent_at"],
-    select(_o.c.seq, *(_o.c[c] for c in _COLUMNS.split(", ")), bindparam("now", type_=DateTime(timezone=True)))
-    .where(_o.c.seq.in_(bindparam("seqs", expanding=True))),
+    select(_o.c.seq, *(_o.c[c] for c in _COLUMNS.split(", ")), bindparam("now", type_=DateTime(timezone=True))).where(
+        _o.c.seq.in_(bindparam("seqs", expanding=True))
+    ),
 )
 _SQLITE_DELETE = delete(_o).where(_o.c.seq.in_(bindparam("seqs", expanding=True)))
 _MARK_REFUSED = update(_o).where(_o.c.seq == bindparam("b_seq")).values(error=bindparam("b_error"))
@@ -103,12 +114,14 @@ _MARK_REFUSED = update(_o).where(_o.c.seq == bindparam("b_seq")).values(error=bi
 
 def _cleanup_statements(postgres: bool) -> tuple[Any, Any]:
     sent = select(_s.c.seq).where(_s.c.sent_at < bindparam("cutoff")).limit(bindparam("limit"))
-    seen = (select(_i.c.group_name, _i.c.message_id).where(_i.c.processed_at < bindparam("cutoff"))
-            .limit(bindparam("limit")))
+    seen = (
+        select(_i.c.group_name, _i.c.message_id)
+        .where(_i.c.processed_at < bindparam("cutoff"))
+        .limit(bindparam("limit"))
+    )
     if postgres:  # two relays cleaning at once split the rows instead of waiting for each other
         sent, seen = sent.with_for_update(skip_locked=True), seen.with_for_update(skip_locked=True)
-    return (delete(_s).where(_s.c.seq.in_(sent)),
-            delete(_i).where(tuple_(_i.c.group_name, _i.c.message_id).in_(seen)))
+    return (delete(_s).where(_s.c.seq.in_(sent)), delete(_i).where(tuple_(_i.c.group_name, _i.c.message_id).in_(seen)))
 
 
 def _ms(value: datetime) -> int:
@@ -150,8 +163,10 @@ class OutboxRelay:
         if engine.dialect.name not in ("postgresql", "sqlite"):
             raise ValueError(f"the outbox relay supports PostgreSQL and SQLite, not {engine.dialect.name!r}")
         if engine.dialect.name == "postgresql" and engine.dialect.driver != "psycopg":
-            raise ValueError(f"the outbox relay reads PostgreSQL through psycopg 3, not {engine.dialect.driver!r}: "
-                             "use outbox.create_engine() or a postgresql+psycopg:// URL")
+            raise ValueError(
+                f"the outbox relay reads PostgreSQL through psycopg 3, not {engine.dialect.driver!r}: "
+                "use outbox.create_engine() or a postgresql+psycopg:// URL"
+            )
         if min(batch_size, concurrency, max_shards) < 1:
             raise ValueError("batch_size, concurrency and max_shards must be at least 1")
         self.engine = engine
@@ -221,11 +236,18 @@ class OutboxRelay:
         specs: dict[str, str] = {}
         for seq, message_id, destination, kind, type_, key, headers, body, spec, created_ms in rows:
             seqs.append(seq)
-            envelopes.append(Envelope(
-                destination=destination, kind=kind, type=type_, body=body if type(body) is bytes else bytes(body),
-                key=key, headers=orjson.loads(headers) if headers != "{}" else {}, id=message_id,
-                published_at=created_ms,
-            ))
+            envelopes.append(
+                Envelope(
+                    destination=destination,
+                    kind=kind,
+                    type=type_,
+                    body=body if type(body) is bytes else bytes(body),
+                    key=key,
+                    headers=orjson.loads(headers) if headers != "{}" else {},
+                    id=message_id,
+                    published_at=created_ms,
+                )
+            )
             if spec is not None:
                 specs[destination] = spec
         failed: list[dict[str, Any]] = []
@@ -239,8 +261,13 @@ class OutboxRelay:
                     kept.append(env)
                     continue
                 failed.append({"b_seq": seq, "b_error": reason})
-                log.error("outbox message refused by the broker and set aside; fix the cause, then run "
-                          "`framework outbox retry`", message_id=env.id, destination=env.destination, error=reason)
+                log.error(
+                    "outbox message refused by the broker and set aside; fix the cause, then run "
+                    "`framework outbox retry`",
+                    message_id=env.id,
+                    destination=env.destination,
+                    error=reason,
+                )
             seqs, envelopes = kept_seqs, kept
         if envelopes:
             await self.broker.publish(envelopes)
@@ -319,9 +346,15 @@ class OutboxRelay:
         self._wakes = [anyio.Event() for _ in range(self.concurrency)]
         if self._stopping:
             self._stopped.set()
-        log.info("outbox relay started", database=redact_url(self.engine.url), namespace=self.broker.namespace,
-                 batch_size=self.batch_size, concurrency=self.concurrency,
-                 wake="notify" if self.postgres else "poll", poll_interval=self.poll_interval)
+        log.info(
+            "outbox relay started",
+            database=redact_url(self.engine.url),
+            namespace=self.broker.namespace,
+            batch_size=self.batch_size,
+            concurrency=self.concurrency,
+            wake="notify" if self.postgres else "poll",
+            poll_interval=self.poll_interval,
+        )
         try:
             async with anyio.create_task_group() as tg:
                 if self.postgres:
@@ -358,8 +391,13 @@ class OutboxRelay:
             if scope.cancelled_caught:
                 failure = TimeoutError(f"a batch took longer than {_BATCH_TIMEOUT:.0f} s")
             if failure is not None:
-                log.warning("outbox relay cannot publish; retrying", error=_reason(failure),
-                            error_type=type(failure).__name__, retry_in=round(backoff, 2), lane=lane)
+                log.warning(
+                    "outbox relay cannot publish; retrying",
+                    error=_reason(failure),
+                    error_type=type(failure).__name__,
+                    retry_in=round(backoff, 2),
+                    lane=lane,
+                )
                 with anyio.move_on_after(backoff):
                     await self._stopped.wait()
                 backoff = min(backoff * 2, _BACKOFF_MAX) * random.uniform(0.8, 1.0)
@@ -393,8 +431,9 @@ class OutboxRelay:
                     async for _ in conn.notifies():
                         self._wake_all()
             except (psycopg.Error, OSError) as exc:
-                log.warning("outbox relay cannot LISTEN; polling meanwhile", error=_reason(exc),
-                            retry_in=round(backoff, 2))
+                log.warning(
+                    "outbox relay cannot LISTEN; polling meanwhile", error=_reason(exc), retry_in=round(backoff, 2)
+                )
                 if not started:
                     started = True
                     task_status.started()

@@ -106,8 +106,10 @@ def decoder_for(tp: Any) -> Callable[[bytes], Any]:
 
         return decode_any
     is_class = isinstance(tp, type)
-    if is_class and not (attrs.has(tp) or dataclasses.is_dataclass(tp)) and tp not in (
-        dict, list, str, int, float, bool, dt.datetime, dt.date, uuid.UUID
+    if (
+        is_class
+        and not (attrs.has(tp) or dataclasses.is_dataclass(tp))
+        and tp not in (dict, list, str, int, float, bool, dt.datetime, dt.date, uuid.UUID)
     ):
         raise TypeError(
             f"payload type {tp.__name__} is not supported: use an attrs class, a dataclass, dict, list, "

@@ -182,8 +182,11 @@ class Runtime:
                 await consumer.flush_acks()
         if self.relay is not None:
             self.relay.stop()  # finishes the batch in progress
-        log.info("runtime stopped", seconds=round(time.monotonic() - started, 3),
-                 processed=sum(c.stats.processed for c in self.consumers))
+        log.info(
+            "runtime stopped",
+            seconds=round(time.monotonic() - started, 3),
+            processed=sum(c.stats.processed for c in self.consumers),
+        )
 
     async def publish_outgoing(self, outgoing: Sequence[Outgoing]) -> None:
         """Publish messages staged by handlers (declaring Queue/Topic objects on first use)."""

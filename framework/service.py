@@ -110,14 +110,13 @@ def _inspect(fn: Callable[..., Any], where: str) -> tuple[bool, bool, Any]:
     except (TypeError, ValueError) as exc:
         raise HandlerError(f"{where}: cannot read its signature ({exc})") from None
     params = [
-        p for p in sig.parameters.values()
+        p
+        for p in sig.parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
     ]
     extra = [p for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
     if not 1 <= len(params) <= 2 or extra:
-        raise HandlerError(
-            f"{where}: a handler takes (payload) or (payload, ctx), but its signature is {sig}"
-        )
+        raise HandlerError(f"{where}: a handler takes (payload) or (payload, ctx), but its signature is {sig}")
     try:
         hints = typing.get_type_hints(fn)
     except Exception as exc:

@@ -72,8 +72,9 @@ def resolve_url(url: str | None = None) -> URL:
         return parsed.set(drivername="postgresql+psycopg")
     if backend == "sqlite" and driver in ("", "aiosqlite"):
         if parsed.database in (None, "", ":memory:"):
-            raise ValueError(f"SQLite needs a file (each connection would see its own empty in-memory database): "
-                             f"use {_SQLITE_HINT}")
+            raise ValueError(
+                f"SQLite needs a file (each connection would see its own empty in-memory database): use {_SQLITE_HINT}"
+            )
         return parsed.set(drivername="sqlite+aiosqlite")
     raise ValueError(
         f"unsupported database URL scheme {parsed.drivername!r}: use {_PG_HINT} (psycopg 3) or {_SQLITE_HINT}"
@@ -130,8 +131,10 @@ async def ping(engine: AsyncEngine) -> None:
     except (SQLAlchemyError, OSError) as exc:
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         if engine.dialect.name == "postgresql":
-            hint = ("Start PostgreSQL or point --database-url / DATABASE_URL at a running one "
-                    f"({_PG_HINT}); without either the SQLite file {default_sqlite_path()} is used.")
+            hint = (
+                "Start PostgreSQL or point --database-url / DATABASE_URL at a running one "
+                f"({_PG_HINT}); without either the SQLite file {default_sqlite_path()} is used."
+            )
         else:
             hint = f"Check the file's directory exists and is writable, or use {_PG_HINT}."
         raise DatabaseUnavailable(f"cannot reach the database at {redact_url(engine.url)}: {reason}. {hint}") from exc

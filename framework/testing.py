@@ -46,8 +46,9 @@ __all__ = [
     "unique_namespace",
 ]
 
-TEST_SETTINGS = RuntimeSettings(block_ms=200, ack_interval=0.001, visibility_timeout=5.0, retry_interval=0.05,
-                                shutdown_timeout=5.0)
+TEST_SETTINGS = RuntimeSettings(
+    block_ms=200, ack_interval=0.001, visibility_timeout=5.0, retry_interval=0.05, shutdown_timeout=5.0
+)
 """Settings that keep tests quick: short blocking reads, quick retries and claims."""
 
 
@@ -164,8 +165,9 @@ class ServiceHarness:
         return runtime
 
     @staticmethod
-    async def _run_runtime(runtime: Runtime, done: anyio.Event, *,
-                           task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def _run_runtime(
+        runtime: Runtime, done: anyio.Event, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         try:
             await runtime.run(task_status=task_status)
         finally:

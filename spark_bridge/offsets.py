@@ -261,8 +261,12 @@ def limit_by_count(client: redis.Redis, namespace: str, start: Offsets, end: Off
     """Move ``end`` back so that at most ``max_events`` entries lie between ``start`` and it, fairly spread."""
     keyspace = KeySpace(namespace)
     zero = _position("0-0", 0)
-    moving = [(t, p) for t, parts in end.items() for p, until in parts.items()
-              if id_key(until["id"]) > id_key(start.get(t, {}).get(p, zero)["id"])]
+    moving = [
+        (t, p)
+        for t, parts in end.items()
+        for p, until in parts.items()
+        if id_key(until["id"]) > id_key(start.get(t, {}).get(p, zero)["id"])
+    ]
     if not moving:
         return end
     seek = client.register_script(_SEEK)

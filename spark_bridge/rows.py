@@ -34,23 +34,33 @@ __all__ = ["EVENT_SCHEMA", "BatchBuilder", "event_schema"]
 
 _NO_HEADERS: dict[str, Any] = {}
 # After id, type, body, ts (in that order), broker.codec.encode_fields writes key, headers, attempt when set.
-_CODEC_TAILS = {(), (b"key",), (b"headers",), (b"attempt",), (b"key", b"headers"), (b"key", b"attempt"),
-                (b"headers", b"attempt"), (b"key", b"headers", b"attempt")}
+_CODEC_TAILS = {
+    (),
+    (b"key",),
+    (b"headers",),
+    (b"attempt",),
+    (b"key", b"headers"),
+    (b"key", b"attempt"),
+    (b"headers", b"attempt"),
+    (b"key", b"headers", b"attempt"),
+}
 _TRACEPARENT_LENGTH = 55  # version 00: "00-" 32 hex "-" 16 hex "-" 2 hex
 
-EVENT_SCHEMA = StructType([
-    StructField("event_id", StringType()),       # the envelope id (UUIDv7 unless derived)
-    StructField("topic", StringType()),
-    StructField("partition", IntegerType()),
-    StructField("offset", StringType()),         # the stream entry id "ms-seq": order within the partition
-    StructField("key", StringType()),
-    StructField("type", StringType()),
-    StructField("published_at", TimestampType()),  # UTC
-    StructField("headers", MapType(StringType(), StringType())),
-    StructField("payload", StringType()),        # the body as JSON text
-    StructField("trace_id", StringType()),       # from the W3C traceparent header
-    StructField("decode_error", StringType()),   # null unless the entry is not a valid envelope
-])
+EVENT_SCHEMA = StructType(
+    [
+        StructField("event_id", StringType()),  # the envelope id (UUIDv7 unless derived)
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", StringType()),  # the stream entry id "ms-seq": order within the partition
+        StructField("key", StringType()),
+        StructField("type", StringType()),
+        StructField("published_at", TimestampType()),  # UTC
+        StructField("headers", MapType(StringType(), StringType())),
+        StructField("payload", StringType()),  # the body as JSON text
+        StructField("trace_id", StringType()),  # from the W3C traceparent header
+        StructField("decode_error", StringType()),  # null unless the entry is not a valid envelope
+    ]
+)
 """The columns of every event row, in order."""
 
 
@@ -105,7 +115,7 @@ class BatchBuilder:
         self.topic = topic
         self.partition = partition
         self.arrow_schema = to_arrow_schema(schema, timezone="UTC")
-        extra = schema.fields[len(EVENT_SCHEMA.fields):]
+        extra = schema.fields[len(EVENT_SCHEMA.fields) :]
         self.typed = [(f.name, value_converter(f.dataType), self.arrow_schema.field(f.name).type) for f in extra]
         self.headers_type = self.arrow_schema.field("headers").type
 
@@ -117,9 +127,16 @@ class BatchBuilder:
         offsets = [e[0] for e in entries]
         flats = [e[1] for e in entries]
         odd = [
-            i for i, f in enumerate(flats)
-            if not (len(f) >= 8 and f[0] == b"id" and f[2] == b"type" and f[4] == b"body" and f[6] == b"ts" and (
-                (len(f) == 12 and f[8] == b"key" and f[10] == b"headers") or tuple(f[8::2]) in _CODEC_TAILS))
+            i
+            for i, f in enumerate(flats)
+            if not (
+                len(f) >= 8
+                and f[0] == b"id"
+                and f[2] == b"type"
+                and f[4] == b"body"
+                and f[6] == b"ts"
+                and ((len(f) == 12 and f[8] == b"key" and f[10] == b"headers") or tuple(f[8::2]) in _CODEC_TAILS)
+            )
         ]
         if odd:
             flats = list(flats)
@@ -184,11 +201,14 @@ class BatchBuilder:
         try:
             value_array = pa.array(values, type=pa.string())
         except (pa.ArrowInvalid, pa.ArrowTypeError):  # a header that is not a string: keep it as JSON text
-            value_array = pa.array([v if isinstance(v, str) else orjson.dumps(v).decode() for v in values],
-                                   type=pa.string())
+            value_array = pa.array(
+                [v if isinstance(v, str) else orjson.dumps(v).decode() for v in values], type=pa.string()
+            )
         array = pa.MapArray.from_arrays(
-            pa.array([0, *accumulate(map(len, dicts))], type=pa.int32()), pa.array(names, type=pa.string()),
-            value_array, type=self.headers_type,
+            pa.array([0, *accumulate(map(len, dicts))], type=pa.int32()),
+            pa.array(names, type=pa.string()),
+            value_array,
+            type=self.headers_type,
         )
         parents = [h.get(TRACEPARENT) for h in dicts]
         try:

@@ -47,8 +47,16 @@ if TYPE_CHECKING:
 __all__ = ["parse_payload", "payload_schema", "value_converter"]
 
 _SCALARS: dict[Any, DataType] = {
-    str: StringType(), uuid.UUID: StringType(), bytes: StringType(), Any: StringType(), object: StringType(),
-    int: LongType(), float: DoubleType(), bool: BooleanType(), dt.datetime: TimestampType(), dt.date: DateType(),
+    str: StringType(),
+    uuid.UUID: StringType(),
+    bytes: StringType(),
+    Any: StringType(),
+    object: StringType(),
+    int: LongType(),
+    float: DoubleType(),
+    bool: BooleanType(),
+    dt.datetime: TimestampType(),
+    dt.date: DateType(),
 }
 _SEQUENCES = {list, tuple, set, frozenset, cabc.Sequence, cabc.MutableSequence, cabc.Set, cabc.MutableSet}
 _MAPPINGS = {dict, cabc.Mapping, cabc.MutableMapping}
@@ -58,8 +66,9 @@ def _fields(cls: type) -> list[tuple[str, Any]]:
     try:
         hints = typing.get_type_hints(cls)
     except NameError as exc:  # string annotations naming something not importable from the class's module
-        raise TypeError(f"cannot resolve the annotations of {cls.__name__}: {exc}; define the types it uses at "
-                        "module level") from None
+        raise TypeError(
+            f"cannot resolve the annotations of {cls.__name__}: {exc}; define the types it uses at module level"
+        ) from None
     if attrs.has(cls):
         return [(f.name, hints.get(f.name, f.type)) for f in attrs.fields(cls)]
     return [(f.name, hints.get(f.name, f.type)) for f in dataclasses.fields(cls)]

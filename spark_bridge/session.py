@@ -124,4 +124,3 @@ def spark_session(
         spark.sparkContext.setLogLevel("ERROR")
     register(spark, url=url, namespace=namespace)
     return spark
-

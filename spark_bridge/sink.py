@@ -43,8 +43,19 @@ from broker.topology import DestinationSpec, validate_name
 __all__ = ["EventBatchWriter", "EventStreamWriter", "SinkCommit", "SinkSettings", "parse_sink_options"]
 
 _RESERVED = ("payload", "type", "key", "headers", "topic")
-_SINK_OPTIONS = ("topic", "type", "idcolumn", "sinkid", "partitions", "dedupwindowms", "namespace", "url",
-                 "checkpointlocation", "path", "queryname")
+_SINK_OPTIONS = (
+    "topic",
+    "type",
+    "idcolumn",
+    "sinkid",
+    "partitions",
+    "dedupwindowms",
+    "namespace",
+    "url",
+    "checkpointlocation",
+    "path",
+    "queryname",
+)
 _FLUSH = 500  # rows per pipeline round trip
 
 
@@ -89,11 +100,13 @@ def parse_sink_options(
     if topic:
         validate_name("topic", topic)
     elif "topic" not in columns:
-        raise ConfigurationError('the eventlog sink needs option topic, e.g. .option("topic", "orders.enriched"), '
-                                 "or a topic column")
+        raise ConfigurationError(
+            'the eventlog sink needs option topic, e.g. .option("topic", "orders.enriched"), or a topic column'
+        )
     if not merged.get("type") and "type" not in columns:
-        raise ConfigurationError('the eventlog sink needs option type (e.g. .option("type", "OrderEnriched")) '
-                                 "or a type column")
+        raise ConfigurationError(
+            'the eventlog sink needs option type (e.g. .option("type", "OrderEnriched")) or a type column'
+        )
     id_column = merged.get("idcolumn")
     if id_column and id_column not in columns:
         raise ConfigurationError(f"option idColumn={id_column!r}: no such column; columns: {', '.join(columns)}")
@@ -104,15 +117,22 @@ def parse_sink_options(
         )
     url = merged.get("url") or os.environ.get("REDIS_URL")
     if not url:
-        raise ConfigurationError("no broker URL for the eventlog sink: call spark_bridge.register(spark) or set "
-                                 "option url")
+        raise ConfigurationError(
+            "no broker URL for the eventlog sink: call spark_bridge.register(spark) or set option url"
+        )
     partitions = int(merged.get("partitions", "1"))
     from broker.connect import default_namespace
 
     return SinkSettings(
-        url=url, namespace=merged.get("namespace") or default_namespace(), topic=topic, type=merged.get("type"),
-        id_column=id_column, sink_id=merged.get("sinkid"), partitions=partitions,
-        dedup_window_ms=int(merged.get("dedupwindowms", str(24 * 3600 * 1000))), columns=columns,
+        url=url,
+        namespace=merged.get("namespace") or default_namespace(),
+        topic=topic,
+        type=merged.get("type"),
+        id_column=id_column,
+        sink_id=merged.get("sinkid"),
+        partitions=partitions,
+        dedup_window_ms=int(merged.get("dedupwindowms", str(24 * 3600 * 1000))),
+        columns=columns,
         streaming=streaming,
     )
 
@@ -164,8 +184,13 @@ class _Publisher:
             raise ValueError(f"a row has no type (column type is null and option type is not set): {row!r}")
         if "payload" in values:
             raw = values["payload"]
-            body = raw.encode() if isinstance(raw, str) else bytes(raw) if isinstance(raw, bytes | bytearray) \
+            body = (
+                raw.encode()
+                if isinstance(raw, str)
+                else bytes(raw)
+                if isinstance(raw, bytes | bytearray)
                 else orjson.dumps(_jsonable(raw))
+            )
         else:
             body = orjson.dumps({k: _jsonable(v) for k, v in values.items() if k not in _RESERVED})
         if self.s.id_column is not None:
@@ -174,8 +199,15 @@ class _Publisher:
         headers = {str(k): str(v) for k, v in (values.get("headers") or {}).items()}
         headers[IDEMPOTENCY_KEY] = event_id
         key = values.get("key")
-        return Envelope(destination=topic, kind=EVENT, type=str(event_type), body=body,
-                        key=None if key is None else str(key), headers=headers, id=event_id)
+        return Envelope(
+            destination=topic,
+            kind=EVENT,
+            type=str(event_type),
+            body=body,
+            key=None if key is None else str(key),
+            headers=headers,
+            id=event_id,
+        )
 
     def flush(self, envelopes: list[Envelope]) -> None:
         if not envelopes:
@@ -184,8 +216,11 @@ class _Publisher:
         now = now_ms()
         for env in envelopes:
             pkeys = self.keyspace.partition(env.destination, self.spec(env.destination).partition_for(env.key, env.id))
-            self.script(keys=[pkeys.stream, pkeys.published],
-                        args=[env.id, now, self.s.dedup_window_ms, *encode_fields(env)], client=pipe)
+            self.script(
+                keys=[pkeys.stream, pkeys.published],
+                args=[env.id, now, self.s.dedup_window_ms, *encode_fields(env)],
+                client=pipe,
+            )
         for reply in pipe.execute():
             if reply:
                 self.published += 1

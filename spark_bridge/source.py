@@ -164,20 +164,29 @@ class _Planner:
         keyspace = KeySpace(self.opts.namespace)
         missing = [t for t in end if t not in start]  # a topic added to the query after it first ran
         if missing:
-            earliest = resolve(self.client, {t: self.specs[t] for t in missing}, self.opts.namespace, "earliest",
-                               ending=False)
+            earliest = resolve(
+                self.client, {t: self.specs[t] for t in missing}, self.opts.namespace, "earliest", ending=False
+            )
             start = {**start, **earliest}
         out = []
         for topic, parts in end.items():
             for partition, until in parts.items():
                 begin = start.get(topic, {}).get(partition, {"id": "0-0", "n": None})
                 if id_key(until["id"]) > id_key(begin["id"]):
-                    out.append(EventRange(
-                        url=self.url, stream=keyspace.partition(topic, int(partition)).stream, topic=topic,
-                        partition=int(partition), after=begin["id"], after_n=begin["n"], until=until["id"],
-                        fail_on_data_loss=self.opts.fail_on_data_loss, fetch_size=self.opts.fetch_size,
-                        schema_json=self.schema_json,
-                    ))
+                    out.append(
+                        EventRange(
+                            url=self.url,
+                            stream=keyspace.partition(topic, int(partition)).stream,
+                            topic=topic,
+                            partition=int(partition),
+                            after=begin["id"],
+                            after_n=begin["n"],
+                            until=until["id"],
+                            fail_on_data_loss=self.opts.fail_on_data_loss,
+                            fetch_size=self.opts.fetch_size,
+                            schema_json=self.schema_json,
+                        )
+                    )
         return out
 
     def close(self) -> None:

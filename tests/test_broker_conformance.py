@@ -37,7 +37,12 @@ async def test_publish_then_read_in_order_with_envelope_intact(broker: RedisBrok
     assert numbers(got) == [0, 1, 2, 3, 4]
     first = got[0].envelope
     assert (first.id, first.key, first.type, first.headers, first.published_at) == (
-        sent[0].id, "k", "T", {"traceparent": "00-abc-def-01"}, sent[0].published_at)
+        sent[0].id,
+        "k",
+        "T",
+        {"traceparent": "00-abc-def-01"},
+        sent[0].published_at,
+    )
     assert got[0].delivery_count == 1 and got[0].attempt == 1
 
 
@@ -176,8 +181,10 @@ async def test_trimming_never_drops_an_entry_a_group_has_not_acked(broker: Redis
     await anyio.sleep(0.01)
     removed = await broker.trim(spec, 0, now_ms())
     assert removed == 5  # only what every group acknowledged
-    remaining = [orjson.loads(dict(zip(f[::2], f[1::2], strict=True))[b"body"])["n"]
-                 for _, f in await broker.redis.execute_command("XRANGE", slow.stream, "-", "+")]
+    remaining = [
+        orjson.loads(dict(zip(f[::2], f[1::2], strict=True))[b"body"])["n"]
+        for _, f in await broker.redis.execute_command("XRANGE", slow.stream, "-", "+")
+    ]
     assert remaining == list(range(5, 50))
     await broker.ack(slow, slow_got[5:] + await broker.read(slow, "s", 100, 10))
     await broker.trim(spec, 0, now_ms())

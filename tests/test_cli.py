@@ -62,8 +62,12 @@ def test_an_unreachable_server_says_how_to_start_one(worker_env: dict[str, str])
 def test_dlq_commands_list_show_redrive_and_purge(worker_env: dict[str, str], redis_url: str, namespace: str) -> None:
     for n in range(3):
         assert run_cli("send", "poison.jobs", json.dumps({"n": n}), env=worker_env).returncode == 0
-    worker = subprocess.Popen([sys.executable, "-m", "framework", "run", "faultapp:poison"], env=worker_env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "framework", "run", "faultapp:poison"],
+        env=worker_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         r = redis.Redis.from_url(redis_url)
         deadline = time.monotonic() + 30
@@ -87,8 +91,9 @@ def test_dlq_commands_list_show_redrive_and_purge(worker_env: dict[str, str], re
 
 
 def test_python_dash_m_framework_is_the_same_command(worker_env: dict[str, str]) -> None:
-    direct = subprocess.run([str(Path(sys.executable).parent / "framework"), "--help"], capture_output=True,
-                            text=True, env=worker_env)
+    direct = subprocess.run(
+        [str(Path(sys.executable).parent / "framework"), "--help"], capture_output=True, text=True, env=worker_env
+    )
     module = run_cli("--help", env=worker_env)
     assert direct.returncode == module.returncode == 0
     assert direct.stdout.replace("framework", "") == module.stdout.replace("framework", "")
@@ -114,7 +119,12 @@ def test_embedded_server_commands(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_demo_runs_end_to_end(worker_env: dict[str, str], namespace: str) -> None:
     env = {**worker_env, "FRAMEWORK_DEMO_NAMESPACE": namespace}
-    out = subprocess.run([sys.executable, "-m", "example_services.demo", "--orders", "400"], env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "example_services.demo", "--orders", "400"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "all checks passed" in out.stdout

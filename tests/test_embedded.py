@@ -13,8 +13,9 @@ from broker import EmbeddedServer
 
 def _ensure_in_subprocess(data_dir: Path) -> str:
     code = f"from broker import EmbeddedServer; print(EmbeddedServer({str(data_dir)!r}).ensure_running())"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          timeout=60).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.strip()
 
 
 def test_processes_meet_on_one_server_and_data_survives_a_restart(tmp_path: Path) -> None:

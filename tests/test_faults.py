@@ -33,7 +33,9 @@ class Workers:
         log = open(self.tmp / f"{consumer}.log", "ab")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             [sys.executable, "-m", "framework", "run", target, "--consumer", consumer, *extra],
-            env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT,
+            env={**self.env, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         self.procs.append(proc)
         return proc
@@ -88,10 +90,7 @@ def test_sigkill_mid_batch_loses_nothing_and_another_worker_takes_over(
     assert "claimed entries idle past the visibility timeout" in workers.log("b")
     b.send_signal(signal.SIGTERM)
     assert b.wait(timeout=30) == 0
-    pending = sum(
-        g["pending"] for p in (0, 1)
-        for g in r.xinfo_groups(f"{namespace}:{{jobs:{p}}}")
-    )
+    pending = sum(g["pending"] for p in (0, 1) for g in r.xinfo_groups(f"{namespace}:{{jobs:{p}}}"))
     assert pending == 0
 
 
@@ -137,8 +136,13 @@ def test_order_per_key_holds_across_a_worker_restart(workers: Workers, redis_url
 
 def test_missing_broker_says_how_to_start_one(worker_env: dict[str, str]) -> None:
     env = {**worker_env, "REDIS_URL": "redis://127.0.0.1:9/0"}
-    proc = subprocess.run([sys.executable, "-m", "framework", "run", "faultapp:worker"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "framework", "run", "faultapp:worker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert "cannot reach the broker at redis://127.0.0.1:9/0" in proc.stderr
     assert "redis-server" in proc.stderr and "framework server start" in proc.stderr
@@ -183,8 +187,17 @@ def test_sigkill_during_dead_lettering_leaves_exactly_one_dlq_entry_per_message(
         client.send_many("poison.jobs", [{"n": i} for i in range(total)])
     stream, dlq = f"{namespace}:{{poison.jobs:0}}", f"{namespace}:{{poison.jobs:0}}:g:poison:dlq"
     for delay in (0.25, 0.35, 0.45, 0.55, 0.65):  # kill at different points of the DLQ moves
-        w = workers.start("faultapp:poison", "w", "--concurrency", "1", "--prefetch", "5",
-                          "--visibility-timeout", "30", JOB_SLEEP="0.004")
+        w = workers.start(
+            "faultapp:poison",
+            "w",
+            "--concurrency",
+            "1",
+            "--prefetch",
+            "5",
+            "--visibility-timeout",
+            "30",
+            JOB_SLEEP="0.004",
+        )
         wait_for(lambda w=w: r.exists(dlq) or w.poll() is not None, 30, "the first dead letter")
         time.sleep(delay / 5)
         w.send_signal(signal.SIGKILL)
@@ -219,8 +232,11 @@ def test_exactly_once_redis_effects_under_repeated_worker_kills(
             p.wait()
             kills += 1
     last = workers.start("faultapp:wallet", "z", *opts, JOB_SLEEP="0")
-    wait_for(lambda: applied() == total and sum(
-        r.xlen(f"{namespace}:{{wallet.credit:{p}}}") for p in (0, 1)) == 0, 120, "every credit")
+    wait_for(
+        lambda: applied() == total and sum(r.xlen(f"{namespace}:{{wallet.credit:{p}}}") for p in (0, 1)) == 0,
+        120,
+        "every credit",
+    )
     last.send_signal(signal.SIGTERM)
     assert last.wait(timeout=30) == 0
     counts = [int(v) for v in r.hvals(f"{namespace}:test:applied")]

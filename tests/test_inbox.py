@@ -109,11 +109,13 @@ async def test_redis_transaction_applies_effects_once_with_outgoing_messages(red
         await h.stop()
         spec = await h.broker.get_destination("wallet.credit")
         view = h.broker.group_partition(spec, 0, "wallet")
-        await h.broker.redis.xadd(view.stream, {"id": incoming, "type": "dict", "body": b'{"account":"a","amount":5}',
-                                                 "ts": now_ms()})
+        await h.broker.redis.xadd(
+            view.stream, {"id": incoming, "type": "dict", "body": b'{"account":"a","amount":5}', "ts": now_ms()}
+        )
         [copy] = await h.broker.read(view, "someone-else", 10, 10)
-        applied = await h.broker.commit_effects(copy, [("HINCRBY", f"{namespace}:balances", "a", 5)],
-                                                [f"{namespace}:balances"])
+        applied = await h.broker.commit_effects(
+            copy, [("HINCRBY", f"{namespace}:balances", "a", 5)], [f"{namespace}:balances"]
+        )
         assert applied is False
         assert await h.broker.redis.hget(f"{namespace}:balances", "a") == b"12"
         assert (await h.broker.stream_groups(view.stream))[0]["pending"] == 0

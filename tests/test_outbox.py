@@ -104,15 +104,19 @@ async def sent_ids_by_key(engine: AsyncEngine) -> dict[str | None, list[str]]:
 
 def cli_env(redis_url: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), FRAMEWORK_LOG_FORMAT="json",
-               REDIS_URL=redis_url)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+        FRAMEWORK_LOG_FORMAT="json",
+        REDIS_URL=redis_url,
+    )
     env.pop("DATABASE_URL", None)
     return env
 
 
 def framework_cli(*args: str, env: dict[str, str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "framework", *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "framework", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 class Relays:
@@ -125,9 +129,22 @@ class Relays:
     def start(self, name: str, database_url: str, namespace: str, *extra: str) -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
-            [sys.executable, "-m", "framework", "outbox", "relay", "--database-url", database_url,
-             "--namespace", namespace, *extra],
-            env=self.env, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "framework",
+                "outbox",
+                "relay",
+                "--database-url",
+                database_url,
+                "--namespace",
+                namespace,
+                *extra,
+            ],
+            env=self.env,
+            cwd=self.tmp,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         self.procs[name] = proc
         return proc
@@ -171,8 +188,11 @@ def test_database_urls_map_to_the_async_drivers(tmp_path: Path, monkeypatch: pyt
     assert resolve_url("postgres://u:p@h:5432/d").drivername == "postgresql+psycopg"
     assert resolve_url("postgresql://u@h/d").drivername == "postgresql+psycopg"
     assert resolve_url("sqlite:///x.db").drivername == "sqlite+aiosqlite"
-    for bad, says in (("mysql://u@h/d", "unsupported database URL scheme 'mysql'"),
-                      ("postgresql+asyncpg://u@h/d", "postgresql://"), ("sqlite://", "needs a file")):
+    for bad, says in (
+        ("mysql://u@h/d", "unsupported database URL scheme 'mysql'"),
+        ("postgresql+asyncpg://u@h/d", "postgresql://"),
+        ("sqlite://", "needs a file"),
+    ):
         with pytest.raises(ValueError, match=says):
             resolve_url(bad)
     monkeypatch.delenv("DATABASE_URL", raising=False)
@@ -219,11 +239,24 @@ async def test_relay_publishes_committed_messages_with_their_ids_and_moves_them(
     engine: AsyncEngine, broker: RedisBroker
 ) -> None:
     async with engine.begin() as conn:
-        ids = [await outbox.add_event(conn, "orders.placed", {"n": i}, key=f"o{i % 3}", headers={"h": "v"})
-               for i in range(30)]
+        ids = [
+            await outbox.add_event(conn, "orders.placed", {"n": i}, key=f"o{i % 3}", headers={"h": "v"})
+            for i in range(30)
+        ]
         job = await outbox.add(conn, Queue("billing.jobs", partitions=4), {"job": 1}, key="j")
-        await outbox.stage(conn, [Envelope(destination="audit.log", kind="event", type="Raw", body=b"x",
-                                           id="fixed-id-1", published_at=1_700_000_000_123)])
+        await outbox.stage(
+            conn,
+            [
+                Envelope(
+                    destination="audit.log",
+                    kind="event",
+                    type="Raw",
+                    body=b"x",
+                    id="fixed-id-1",
+                    published_at=1_700_000_000_123,
+                )
+            ],
+        )
     relay = OutboxRelay(engine, broker)
     assert await relay.drain() == 32
     assert await relay.run_once() == 0
@@ -253,8 +286,17 @@ async def test_rollback_leaves_no_row_and_publishes_nothing(engine: AsyncEngine,
 
 async def test_staging_the_same_ids_again_adds_nothing(engine: AsyncEngine) -> None:
     parent = "0190a5f2-0000-7000-8000-000000000001"
-    staged = [Envelope(destination="payments.captured", kind="event", type="T", body=b"{}", key="k",
-                       id=derive_id(parent, f"billing/{i}")) for i in range(3)]
+    staged = [
+        Envelope(
+            destination="payments.captured",
+            kind="event",
+            type="T",
+            body=b"{}",
+            key="k",
+            id=derive_id(parent, f"billing/{i}"),
+        )
+        for i in range(3)
+    ]
     for _ in range(2):  # a retried handler stages the same derived ids
         async with engine.begin() as conn:
             await outbox.stage(conn, staged)
@@ -267,8 +309,9 @@ async def test_add_needs_a_kind_for_a_bare_name(lite: AsyncEngine) -> None:
             await outbox.add(conn, "somewhere", {})
         await outbox.add(conn, Topic("t1"), {})  # implied by the object
         await outbox.add_command(conn, "q1", {})
-        kinds = (await conn.execute(select(outbox_table.c.destination, outbox_table.c.kind)
-                                    .order_by(outbox_table.c.seq))).all()
+        kinds = (
+            await conn.execute(select(outbox_table.c.destination, outbox_table.c.kind).order_by(outbox_table.c.seq))
+        ).all()
     assert [tuple(k) for k in kinds] == [("t1", "event"), ("q1", "command")]
 
 
@@ -346,8 +389,13 @@ async def test_cancelling_a_running_relay_leaves_every_row_published_or_waiting(
     pg: AsyncEngine, broker: RedisBroker
 ) -> None:
     async with pg.begin() as conn:
-        await outbox.stage(conn, [Envelope(destination="orders.placed", kind="event", type="T", body=b"{}",
-                                           key=f"k{i % 50}") for i in range(5000)])
+        await outbox.stage(
+            conn,
+            [
+                Envelope(destination="orders.placed", kind="event", type="T", body=b"{}", key=f"k{i % 50}")
+                for i in range(5000)
+            ],
+        )
     relay = OutboxRelay(pg, broker, batch_size=200)
     async with anyio.create_task_group() as tg:
         await tg.start(relay.run)
@@ -381,8 +429,10 @@ async def test_sqlite_relay_polls(lite: AsyncEngine, broker: RedisBroker) -> Non
 
 async def test_sqlite_relays_take_turns(lite: AsyncEngine, tmp_path: Path, broker: RedisBroker) -> None:
     async with lite.begin() as conn:
-        await outbox.stage(conn, [Envelope(destination="ledger", kind="event", type="T", body=b"{}", key=f"k{i % 9}")
-                                  for i in range(600)])
+        await outbox.stage(
+            conn,
+            [Envelope(destination="ledger", kind="event", type="T", body=b"{}", key=f"k{i % 9}") for i in range(600)],
+        )
     expected = await _waiting_ids_by_key(lite)
     other = outbox.create_engine(f"sqlite:///{tmp_path / 'outbox.db'}")
     first, second = OutboxRelay(lite, broker, batch_size=50), OutboxRelay(other, broker, batch_size=50)
@@ -475,7 +525,7 @@ async def test_relay_killed_between_publish_and_commit_republishes_the_same_ids(
     entries = by_key(await stream(broker, "orders.placed"))
     assert set(entries) == set(expected)
     for key, ids in entries.items():
-        originals, republished = ids[:len(ids) // 2], ids[len(ids) // 2:]
+        originals, republished = ids[: len(ids) // 2], ids[len(ids) // 2 :]
         assert originals == expected[key]
         assert republished == originals  # same ids, same order: downstream inboxes drop the copies
     assert await count(pg, sent_table) == 200
@@ -483,8 +533,9 @@ async def test_relay_killed_between_publish_and_commit_republishes_the_same_ids(
 
 async def _waiting_ids_by_key(engine: AsyncEngine) -> dict[str | None, list[str]]:
     async with engine.connect() as conn:
-        rows = (await conn.execute(select(outbox_table.c.key, outbox_table.c.message_id)
-                                   .order_by(outbox_table.c.seq))).all()
+        rows = (
+            await conn.execute(select(outbox_table.c.key, outbox_table.c.message_id).order_by(outbox_table.c.seq))
+        ).all()
     out: dict[str | None, list[str]] = defaultdict(list)
     for key, message_id in rows:
         out[key].append(message_id)
@@ -529,8 +580,9 @@ async def test_two_relays_never_publish_a_row_twice_and_keep_each_keys_order(
     entries = await stream(broker, "ledger")
     assert Counter(e.id for e in entries).most_common(1)[0][1] == 1  # no row published twice
     assert by_key(entries) == await sent_ids_by_key(pg)  # every id, each key in commit order
-    published = [next(e["published"] for e in relays.events(n) if e.get("event") == "outbox relay stopped")
-                 for n in "ab"]
+    published = [
+        next(e["published"] for e in relays.events(n) if e.get("event") == "outbox relay stopped") for n in "ab"
+    ]
     assert sum(published) == total and min(published) > 0, published
 
 
@@ -562,6 +614,7 @@ class TcpProxy:
 
     async def _forward(self, client: anyio.abc.SocketStream) -> None:
         async with client, await anyio.connect_tcp(*self.target) as upstream:
+
             async def pump(src: anyio.abc.SocketStream, dst: anyio.abc.SocketStream) -> None:
                 try:
                     async for chunk in src:
@@ -577,8 +630,9 @@ class TcpProxy:
 
 
 @pytest.mark.postgres
-async def test_relay_rides_out_a_broker_outage(pg: AsyncEngine, redis_url: str, namespace: str,
-                                               broker: RedisBroker) -> None:
+async def test_relay_rides_out_a_broker_outage(
+    pg: AsyncEngine, redis_url: str, namespace: str, broker: RedisBroker
+) -> None:
     parts = urlsplit(redis_url)
     if parts.scheme != "redis" or not parts.port:
         pytest.skip("needs a redis://host:port broker to put a proxy in front of")
@@ -611,8 +665,9 @@ async def test_relay_rides_out_a_broker_outage(pg: AsyncEngine, redis_url: str, 
 # -- the command line -------------------------------------------------------------------------------------
 
 
-async def test_cli_migrates_prints_ddl_and_relays_once(redis_url: str, namespace: str, tmp_path: Path,
-                                                      broker: RedisBroker) -> None:
+async def test_cli_migrates_prints_ddl_and_relays_once(
+    redis_url: str, namespace: str, tmp_path: Path, broker: RedisBroker
+) -> None:
     env = {**cli_env(redis_url), "FRAMEWORK_NAMESPACE": namespace}
     db = f"sqlite:///{tmp_path / 'app.db'}"
     migrated = framework_cli("outbox", "migrate", "--database-url", db, env=env, cwd=tmp_path)
@@ -633,13 +688,15 @@ def test_cli_errors_are_one_line_and_say_what_to_do(redis_url: str, tmp_path: Pa
     env = cli_env(redis_url)
     bad = framework_cli("outbox", "relay", "--database-url", "mysql://u@h/d", env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "unsupported database URL scheme 'mysql'" in bad.stderr
-    down = framework_cli("outbox", "relay", "--database-url", "postgresql://postgres@127.0.0.1:9/x",
-                         env=env, cwd=tmp_path)
+    down = framework_cli(
+        "outbox", "relay", "--database-url", "postgresql://postgres@127.0.0.1:9/x", env=env, cwd=tmp_path
+    )
     assert down.returncode == 1
     assert "cannot reach the database at postgresql://postgres@127.0.0.1:9/x" in down.stderr
     assert "Start PostgreSQL or point --database-url" in down.stderr
-    empty = framework_cli("outbox", "status", "--database-url", f"sqlite:///{tmp_path / 'empty.db'}",
-                          env=env, cwd=tmp_path)
+    empty = framework_cli(
+        "outbox", "status", "--database-url", f"sqlite:///{tmp_path / 'empty.db'}", env=env, cwd=tmp_path
+    )
     assert empty.returncode == 1 and "framework outbox migrate" in empty.stderr
     for result in (bad, down, empty):
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -221,8 +221,9 @@ async def test_redrive_of_a_topic_dead_letter_reaches_only_the_failing_group(red
         seen["shipping"][e.order_id] += 1
 
     async with ServiceHarness([billing, shipping], url=redis_url, namespace=namespace) as h:
-        await h.client.publish_many(Topic("orders.placed", partitions=2), [Charge(f"o{i}", i) for i in range(6)],
-                                    key=lambda c: c.order_id)
+        await h.client.publish_many(
+            Topic("orders.placed", partitions=2), [Charge(f"o{i}", i) for i in range(6)], key=lambda c: c.order_id
+        )
         await h.run_until_idle()
         dlq = DeadLetters(h.broker)
         assert len(await dlq.list(group="billing")) == 6
@@ -257,9 +258,7 @@ async def test_dead_letters_can_be_shown_and_purged(redis_url: str, namespace: s
             await dlq.get(ids[1])
 
 
-async def test_two_runtimes_running_the_retry_scheduler_deliver_each_retry_once(
-    redis_url: str, namespace: str
-) -> None:
+async def test_two_runtimes_running_the_retry_scheduler_deliver_each_retry_once(redis_url: str, namespace: str) -> None:
     calls: Counter[int] = Counter()
     svc = Service("s", retry=RetryPolicy(max_attempts=5, immediate=0, backoff=0.05, jitter=False))
 
@@ -270,9 +269,10 @@ async def test_two_runtimes_running_the_retry_scheduler_deliver_each_retry_once(
             raise RuntimeError("first attempt fails")
 
     async with ServiceHarness([], url=redis_url, namespace=namespace) as harness:
-        runtimes = [Runtime([svc], broker=harness.broker, settings=attrs.evolve(TEST_SETTINGS, consumer=c,
-                                                                                  retry_interval=0.01))
-                    for c in ("a", "b")]
+        runtimes = [
+            Runtime([svc], broker=harness.broker, settings=attrs.evolve(TEST_SETTINGS, consumer=c, retry_interval=0.01))
+            for c in ("a", "b")
+        ]
         async with anyio.create_task_group() as tg:
             for r in runtimes:
                 await tg.start(r.run)

@@ -96,8 +96,9 @@ async def test_messages_with_one_key_run_in_order_others_in_parallel(redis_url: 
         now_running -= 1
 
     events = [{"account": f"acct-{i % 10}", "seq": i // 10} for i in range(600)]
-    async with ServiceHarness([svc], url=redis_url, namespace=namespace,
-                              settings=attrs.evolve(TEST_SETTINGS, concurrency=16)) as h:
+    async with ServiceHarness(
+        [svc], url=redis_url, namespace=namespace, settings=attrs.evolve(TEST_SETTINGS, concurrency=16)
+    ) as h:
         await h.client.publish_many("entries", events, key=lambda e: e["account"])
         await h.run_until_idle()
     assert overlap_same_key == 0

@@ -44,9 +44,13 @@ async def _counts(url: str) -> tuple[int, int, int, int]:
     async with engine.connect() as conn:
         total = (await conn.execute(text("SELECT value FROM counters WHERE name = 'total'"))).scalar_one()
         rows = (await conn.execute(text("SELECT count(*), count(DISTINCT n) FROM applied"))).one()
-        staged = (await conn.execute(text(  # waiting rows, and those a relay already moved to the sent table
-            "SELECT (SELECT count(*) FROM framework_outbox) + (SELECT count(*) FROM framework_outbox_sent)"
-        ))).scalar_one()
+        staged = (
+            await conn.execute(
+                text(  # waiting rows, and those a relay already moved to the sent table
+                    "SELECT (SELECT count(*) FROM framework_outbox) + (SELECT count(*) FROM framework_outbox_sent)"
+                )
+            )
+        ).scalar_one()
     await engine.dispose()
     return int(total), int(rows[0]), int(rows[1]), int(staged)
 
@@ -104,8 +108,13 @@ def test_ten_thousand_increments_under_repeated_worker_kills_count_exactly_ten_t
         for round_ in range(5):
             before = sum(r.xlen(s) for s in streams)
             procs = [workers.start("faultapp:counter", f"w{round_}{x}", *opts, JOB_SLEEP="0.002") for x in "ab"]
-            wait_for(lambda before=before: sum(r.xlen(s) for s in streams) < before - 1200
-                     or sum(r.xlen(s) for s in streams) == 0, 120, "progress")
+            wait_for(
+                lambda before=before: (
+                    sum(r.xlen(s) for s in streams) < before - 1200 or sum(r.xlen(s) for s in streams) == 0
+                ),
+                120,
+                "progress",
+            )
             time.sleep(0.2)
             for p in procs:
                 p.send_signal(signal.SIGKILL)

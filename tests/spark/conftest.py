@@ -29,7 +29,9 @@ def spark(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
     warehouse = tmp_path_factory.mktemp("spark-warehouse")
     session = spark_session(
-        "spark_bridge tests", master="local[2]", url=redis_url,
+        "spark_bridge tests",
+        master="local[2]",
+        url=redis_url,
         config={"spark.sql.shuffle.partitions": "2", "spark.sql.warehouse.dir": str(warehouse)},
     )
     yield session
@@ -55,8 +57,13 @@ def publish(sync_redis: redis.Redis, namespace: str) -> Publish:
     keyspace = KeySpace(namespace)
 
     def _publish(
-        topic: str, count: int, *, partitions: int = 2, start: int = 0,
-        body: Callable[[int], bytes] | None = None, retention_ms: int | None = None,
+        topic: str,
+        count: int,
+        *,
+        partitions: int = 2,
+        start: int = 0,
+        body: Callable[[int], bytes] | None = None,
+        retention_ms: int | None = None,
     ) -> list[Envelope]:
         spec = DestinationSpec(topic, "event", partitions=partitions, retention_ms=retention_ms)
         sync_redis.hsetnx(keyspace.destinations, topic, orjson.dumps(spec.to_json()))
@@ -64,7 +71,10 @@ def publish(sync_redis: redis.Redis, namespace: str) -> Publish:
         pipe = sync_redis.pipeline(transaction=False)
         for i in range(start, start + count):
             env = Envelope(
-                destination=topic, kind="event", type="OrderPlaced", key=f"k{i}",
+                destination=topic,
+                kind="event",
+                type="OrderPlaced",
+                key=f"k{i}",
                 body=body(i) if body else orjson.dumps({"order_id": f"o-{i}", "n": i}),
                 headers={"traceparent": f"00-{i:032x}-{i:016x}-01"},
             )
@@ -75,4 +85,3 @@ def publish(sync_redis: redis.Redis, namespace: str) -> Publish:
         return out
 
     return _publish
-

@@ -50,8 +50,12 @@ def test_two_topics_into_parquet_exactly_once_and_a_rerun_adds_only_new_rows(
     ids = [r.event_id for r in rows]
     assert len(ids) == len(set(ids)) == 500
     assert set(ids) == {e.id for e in sent}
-    assert Counter((r.topic, r.partition) for r in rows).keys() == {(ORDERS, 0), (ORDERS, 1), (PAYMENTS, 0),
-                                                                    (PAYMENTS, 1)}
+    assert Counter((r.topic, r.partition) for r in rows).keys() == {
+        (ORDERS, 0),
+        (ORDERS, 1),
+        (PAYMENTS, 0),
+        (PAYMENTS, 1),
+    }
     assert sum(r.topic == ORDERS for r in rows) == 300
     assert {p.name for p in out.iterdir() if p.name.startswith("topic=")} == {f"topic={ORDERS}", f"topic={PAYMENTS}"}
     days = {datetime.fromtimestamp(e.published_at / 1000, UTC).date().isoformat() for e in sent}
@@ -74,9 +78,24 @@ def test_a_query_killed_mid_batch_and_restarted_exports_every_event_once(
     sent = publish(ORDERS, 600, partitions=2) + publish(PAYMENTS, 600, partitions=2)
     out, checkpoint = tmp_path / "events", tmp_path / "checkpoint"
     command = [
-        sys.executable, "-m", "spark_bridge", "export", "--topics", f"{ORDERS},{PAYMENTS}", "--to", str(out),
-        "--checkpoint", str(checkpoint), "--max-events-per-trigger", "400", "--master", "local[2]",
-        "--redis-url", redis_url, "--namespace", namespace,
+        sys.executable,
+        "-m",
+        "spark_bridge",
+        "export",
+        "--topics",
+        f"{ORDERS},{PAYMENTS}",
+        "--to",
+        str(out),
+        "--checkpoint",
+        str(checkpoint),
+        "--max-events-per-trigger",
+        "400",
+        "--master",
+        "local[2]",
+        "--redis-url",
+        redis_url,
+        "--namespace",
+        namespace,
     ]
     log = tmp_path / "export.log"
     with log.open("wb") as sink:
@@ -101,8 +120,14 @@ def test_a_query_killed_mid_batch_and_restarted_exports_every_event_once(
     assert not (checkpoint / "commits" / str(killed_in)).exists()
 
     # Restart the same job (in this process's session: a second JVM start would only cost time).
-    job = ExportJob(topics=(ORDERS, PAYMENTS), to=str(out), checkpoint=str(checkpoint), url=redis_url,
-                    namespace=namespace, max_events_per_trigger=400)
+    job = ExportJob(
+        topics=(ORDERS, PAYMENTS),
+        to=str(out),
+        checkpoint=str(checkpoint),
+        url=redis_url,
+        namespace=namespace,
+        max_events_per_trigger=400,
+    )
     assert run_export(job, spark=spark) == 0
     assert "exported" in capfd.readouterr().err
     ids = exported(spark, out)
@@ -142,8 +167,14 @@ def test_a_continuous_export_picks_up_new_events_until_signalled(
 ) -> None:
     sent = publish(ORDERS, 50)
     out, checkpoint = tmp_path / "events", tmp_path / "checkpoint"
-    job = ExportJob(topics=(ORDERS,), to=str(out), checkpoint=str(checkpoint), trigger="continuous",
-                    interval_s=0.5, namespace=namespace)
+    job = ExportJob(
+        topics=(ORDERS,),
+        to=str(out),
+        checkpoint=str(checkpoint),
+        trigger="continuous",
+        interval_s=0.5,
+        namespace=namespace,
+    )
     more: list[Any] = []
 
     def operator() -> None:  # publishes while the job runs, then stops it as Ctrl-C would
@@ -164,8 +195,13 @@ def test_a_continuous_export_picks_up_new_events_until_signalled(
 
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "spark_bridge", *args], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "spark_bridge", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
 
 
 def test_the_cli_explains_wrong_arguments_in_one_line(redis_url: str, namespace: str, publish: Any) -> None:
@@ -174,11 +210,15 @@ def test_the_cli_explains_wrong_arguments_in_one_line(redis_url: str, namespace:
 
     bad_interval = _cli("export", "--topics", ORDERS, "--to", "/tmp/x", "--trigger", "continuous", "--interval", "10")
     assert bad_interval.returncode == 2
-    assert bad_interval.stderr.strip().splitlines()[-1].endswith("'10' is not an interval: use a number and ms, s, "
-                                                                  "m or h, like 10s")
+    assert (
+        bad_interval.stderr.strip()
+        .splitlines()[-1]
+        .endswith("'10' is not an interval: use a number and ms, s, m or h, like 10s")
+    )
 
-    unknown = _cli("export", "--topics", "orders.plcaed", "--to", "/tmp/x", "--redis-url", redis_url,
-                   "--namespace", namespace)
+    unknown = _cli(
+        "export", "--topics", "orders.plcaed", "--to", "/tmp/x", "--redis-url", redis_url, "--namespace", namespace
+    )
     assert unknown.returncode == 2
     assert f"unknown topic(s) orders.plcaed in namespace '{namespace}'; known topics: {ORDERS}" in unknown.stderr
 

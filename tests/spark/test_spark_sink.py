@@ -43,11 +43,18 @@ def test_a_replayed_micro_batch_publishes_its_events_once(
 
     def run() -> list[int]:
         seen = read_events(spark, ORDERS, namespace=namespace, startingOffsets="earliest").select(
-            "key", F.lit("OrderSeen").alias("type"),
+            "key",
+            F.lit("OrderSeen").alias("type"),
             F.to_json(F.struct(F.col("event_id").alias("source_id"), "offset")).alias("payload"),
         )
-        query = (seen.writeStream.format("eventlog").option("topic", SEEN).option("namespace", namespace)
-                 .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+        query = (
+            seen.writeStream.format("eventlog")
+            .option("topic", SEEN)
+            .option("namespace", namespace)
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
         query.awaitTermination()
         query_ids.append(query.id)
         return [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
@@ -77,11 +84,21 @@ def test_a_batch_write_keyed_by_a_column_publishes_each_row_once(
 ) -> None:
     publish(ORDERS, 25, partitions=2)
     orders = read_events(spark, ORDERS, stream=False, namespace=namespace).select(
-        "event_id", "key", F.get_json_object("payload", "$.n").cast("long").alias("n"), "published_at",
+        "event_id",
+        "key",
+        F.get_json_object("payload", "$.n").cast("long").alias("n"),
+        "published_at",
     )
     for _ in range(2):  # a job run twice (or a retried task) must not publish twice
-        (orders.write.format("eventlog").option("topic", AUDIT).option("type", "OrderAudited")
-         .option("idColumn", "event_id").option("namespace", namespace).mode("append").save())
+        (
+            orders.write.format("eventlog")
+            .option("topic", AUDIT)
+            .option("type", "OrderAudited")
+            .option("idColumn", "event_id")
+            .option("namespace", namespace)
+            .mode("append")
+            .save()
+        )
 
     audited = events_on(sync_redis, namespace, AUDIT)
     assert len(audited) == len({e.id for e in audited}) == 25
@@ -90,5 +107,6 @@ def test_a_batch_write_keyed_by_a_column_publishes_each_row_once(
     assert set(body) == {"event_id", "n", "published_at"}  # key is the envelope's, not the body's
 
     with pytest.raises(Exception, match="needs option idColumn"):
-        orders.write.format("eventlog").option("topic", AUDIT).option("type", "X").option(
-            "namespace", namespace).mode("append").save()
+        orders.write.format("eventlog").option("topic", AUDIT).option("type", "X").option("namespace", namespace).mode(
+            "append"
+        ).save()

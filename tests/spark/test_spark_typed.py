@@ -66,29 +66,52 @@ class OrderPlaced:
 
 
 ORDERS = [
-    OrderPlaced("o-1", 1250, datetime(2024, 5, 1, 12, 30, 15, 250000, tzinfo=UTC), Channel.WEB,
-                [Line("sku-1", 2, 5.0), Line("sku-2", 1, 2.5)], Address("Lyon", "69001"), ("new",), {"points": 12},
-                False),
-    OrderPlaced("o-2", 99, datetime(2024, 5, 2, 8, 0, tzinfo=UTC), Channel.STORE, [], Address("Oslo"), (),
-                {}, True, "ring twice"),
+    OrderPlaced(
+        "o-1",
+        1250,
+        datetime(2024, 5, 1, 12, 30, 15, 250000, tzinfo=UTC),
+        Channel.WEB,
+        [Line("sku-1", 2, 5.0), Line("sku-2", 1, 2.5)],
+        Address("Lyon", "69001"),
+        ("new",),
+        {"points": 12},
+        False,
+    ),
+    OrderPlaced(
+        "o-2",
+        99,
+        datetime(2024, 5, 2, 8, 0, tzinfo=UTC),
+        Channel.STORE,
+        [],
+        Address("Oslo"),
+        (),
+        {},
+        True,
+        "ring twice",
+    ),
 ]
 
 
 def test_payload_schema_maps_attrs_fields_to_spark_types() -> None:
-    line = StructType([StructField("sku", StringType()), StructField("quantity", LongType()),
-                       StructField("unit_price", DoubleType())])
-    assert payload_schema(OrderPlaced) == StructType([
-        StructField("order_id", StringType()),
-        StructField("total_cents", LongType()),
-        StructField("placed_at", TimestampType()),
-        StructField("channel", StringType()),
-        StructField("lines", ArrayType(line)),
-        StructField("ship_to", StructType([StructField("city", StringType()), StructField("postcode", StringType())])),
-        StructField("tags", ArrayType(StringType())),
-        StructField("attributes", MapType(StringType(), LongType())),
-        StructField("gift", BooleanType()),
-        StructField("note", StringType()),
-    ])
+    line = StructType(
+        [StructField("sku", StringType()), StructField("quantity", LongType()), StructField("unit_price", DoubleType())]
+    )
+    assert payload_schema(OrderPlaced) == StructType(
+        [
+            StructField("order_id", StringType()),
+            StructField("total_cents", LongType()),
+            StructField("placed_at", TimestampType()),
+            StructField("channel", StringType()),
+            StructField("lines", ArrayType(line)),
+            StructField(
+                "ship_to", StructType([StructField("city", StringType()), StructField("postcode", StringType())])
+            ),
+            StructField("tags", ArrayType(StringType())),
+            StructField("attributes", MapType(StringType(), LongType())),
+            StructField("gift", BooleanType()),
+            StructField("note", StringType()),
+        ]
+    )
     with pytest.raises(TypeError, match=r"OrderPlaced\.x: a union of several types"):
         payload_schema(attrs.make_class("OrderPlaced", {"x": attrs.field(type=int | str)}))
 
@@ -100,9 +123,7 @@ def _plain(row: Any) -> dict[str, Any]:
     return out
 
 
-def test_typed_columns_match_the_attrs_class(
-    spark: Any, publish: Any, namespace: str, sync_redis: redis.Redis
-) -> None:
+def test_typed_columns_match_the_attrs_class(spark: Any, publish: Any, namespace: str, sync_redis: redis.Redis) -> None:
     sent = publish(TOPIC, 2, partitions=1, body=lambda i: converter.dumps(ORDERS[i]))
     odd = publish(TOPIC, 1, partitions=1, start=2, body=lambda i: orjson.dumps({"order_id": 5, "total_cents": "x"}))
     stream = KeySpace(namespace).partition(TOPIC, 0).stream
@@ -135,8 +156,13 @@ def test_payload_class_option_imports_the_class_by_name(spark: Any, publish: Any
     specs = [DestinationSpec("a.b", "event", partitions=3), DestinationSpec("c", "command", retention_ms=None)]
     publish("specs", 2, partitions=1, body=lambda i: orjson.dumps(specs[i].to_json()))
 
-    df = (spark.read.format("eventlog").option("topics", "specs").option("namespace", namespace)
-          .option("payloadClass", "broker.topology:DestinationSpec").load())
+    df = (
+        spark.read.format("eventlog")
+        .option("topics", "specs")
+        .option("namespace", namespace)
+        .option("payloadClass", "broker.topology:DestinationSpec")
+        .load()
+    )
 
     got = sorted((r.name, r.kind, r.partitions, r.retention_ms) for r in df.collect())
     assert got == [("a.b", "event", 3, 604800000), ("c", "command", 1, None)]
@@ -144,4 +170,5 @@ def test_payload_class_option_imports_the_class_by_name(spark: Any, publish: Any
     assert read_events(spark, "quiet", stream=False, namespace=namespace).count() == 0  # no events, no error
     with pytest.raises(Exception, match=r"option payloadClass='broker.nope:Spec': cannot import it"):
         spark.read.format("eventlog").option("topics", "specs").option("namespace", namespace).option(
-            "payloadClass", "broker.nope:Spec").load()
+            "payloadClass", "broker.nope:Spec"
+        ).load()
