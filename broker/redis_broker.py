@@ -18,11 +18,12 @@ from broker.keys import KeySpace, PartitionKeys
 from broker.protocol import Delivery, GroupPartition, Start
 from broker.scripts import Script, load_scripts
 from broker.topology import DestinationSpec, validate_name
+from broker.wire import Channel
 
 __all__ = ["RedisBroker"]
 
 _ACK_CHUNK = 1000  # ids per script call; Lua's unpack() limit is about 8000
-_RAW = ("XREADGROUP", "XAUTOCLAIM", "XPENDING", "XINFO GROUPS", "XINFO STREAM", "XRANGE", "XREVRANGE")
+_RAW = ("XREADGROUP", "XAUTOCLAIM", "XCLAIM", "XPENDING", "XINFO GROUPS", "XINFO STREAM", "XRANGE", "XREVRANGE")
 
 
 def _raw(response: Any, **_: Any) -> Any:
@@ -246,13 +247,22 @@ class RedisBroker:
                     append(Delivery(source, stream, eid, flat, None, str(exc), count))
         return out
 
-    async def read(self, source: GroupPartition, consumer: str, count: int, block_ms: int) -> list[Delivery]:
+    def channel(self) -> Channel | None:
+        """A dedicated connection for one task's hot path (None on a Cluster: use the client)."""
+        return None if self.cluster else Channel(self.redis.connection_pool)
+
+    async def read(
+        self, source: GroupPartition, consumer: str, count: int, block_ms: int, *, channel: Channel | None = None
+    ) -> list[Delivery]:
         """XREADGROUP new entries of the partition stream and the group's redeliver stream."""
-        args: list[Any] = ["GROUP", source.group, consumer, "COUNT", count]
+        args: list[Any] = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", count]
         if block_ms > 0:
             args += ["BLOCK", block_ms]
         args += ["STREAMS", source.stream, source.keys.redeliver, ">", ">"]
-        reply = await self.redis.execute_command("XREADGROUP", *args)
+        if channel is not None:
+            reply = await channel.execute(*args)
+        else:
+            reply = await self.redis.execute_command(*args)
         return self._deliveries(source, reply)
 
     async def read_own_pending(
@@ -294,6 +304,24 @@ class RedisBroker:
             out += self._deliveries(source, [[stream, entries]], counts)
         return out
 
+    async def release_own_pending(self, source: GroupPartition, consumer: str, idle_ms: int) -> int:
+        """Make every entry pending for ``consumer`` claimable by others at once (a handover at shutdown).
+
+        The entries stay pending (nothing is lost); their idle time is set to ``idle_ms`` (at least
+        the visibility timeout), so the next claim by a live consumer takes them. Returns how many.
+        """
+        released = 0
+        for stream in (source.stream, source.keys.redeliver):
+            rows = await self.redis.execute_command("XPENDING", stream, source.group, "-", "+", 10_000, consumer)
+            ids = [_text(r[0]) for r in rows]
+            for i in range(0, len(ids), 1000):
+                chunk = ids[i : i + 1000]
+                await self.redis.execute_command(
+                    "XCLAIM", stream, source.group, consumer, 0, *chunk, "IDLE", idle_ms, "JUSTID"
+                )
+                released += len(chunk)
+        return released
+
     async def extend(
         self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery], *, lease_ms: int = 60_000
     ) -> set[str]:
@@ -317,19 +345,25 @@ class RedisBroker:
             owned.update(_text(i) for i in reply)
         return owned
 
-    async def inbox_claim(self, source: GroupPartition, deliveries: Sequence[Delivery], lease_ms: int) -> list[int]:
+    async def inbox_claim(
+        self, source: GroupPartition, deliveries: Sequence[Delivery], lease_ms: int, *, channel: Channel | None = None
+    ) -> list[int]:
         """Check deliveries against the group's inbox and lease the new ones, in one call.
 
         Returns a status per delivery: 0 leased to us (run it), 1 already processed (ack it),
         2 leased elsewhere (leave it pending). Redelivered entries take over stale leases.
         """
+        script = self.scripts["inbox_claim"]
+        keys = [source.keys.inbox]
         again = [d for d in deliveries if d.delivery_count != 1]
         if not again:  # the common case: one list, statuses in order
             args = [now_ms(), lease_ms, len(deliveries), *(d.message_id for d in deliveries)]
-            return await self.scripts["inbox_claim"](self.redis, [source.keys.inbox], args)  # type: ignore[no-any-return]
+            if channel is not None:
+                return await script.on(channel, keys, args)  # type: ignore[no-any-return]
+            return await script(self.redis, keys, args)  # type: ignore[no-any-return]
         first = [d for d in deliveries if d.delivery_count == 1]
         args = [now_ms(), lease_ms, len(first), *(d.message_id for d in first), *(d.message_id for d in again)]
-        reply = await self.scripts["inbox_claim"](self.redis, [source.keys.inbox], args)
+        reply = await (script.on(channel, keys, args) if channel is not None else script(self.redis, keys, args))
         status = dict(zip((id(d) for d in [*first, *again]), (int(x) for x in reply), strict=True))
         return [status[id(d)] for d in deliveries]
 
@@ -371,7 +405,14 @@ class RedisBroker:
 
     # -- settling ------------------------------------------------------------------------------
 
-    async def ack(self, source: GroupPartition, deliveries: Sequence[Delivery], *, inbox: bool = False) -> int:
+    async def ack(
+        self,
+        source: GroupPartition,
+        deliveries: Sequence[Delivery],
+        *,
+        inbox: bool = False,
+        channel: Channel | None = None,
+    ) -> int:
         """Acknowledge deliveries in one round trip; with ``inbox`` also record their message ids."""
         if not deliveries:
             return 0
@@ -400,7 +441,24 @@ class RedisBroker:
                     *counters,
                 ]
                 calls.append(("ack", [stream, *script_keys], args))
+        if channel is not None:
+            return sum(int(r) for r in await self._run_on(channel, calls))
         return sum(int(r) for r in await self._run_pipeline(calls))
+
+    async def _run_on(self, channel: Channel, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        """Like :meth:`_run_pipeline`, on a channel."""
+        commands = [["EVALSHA", self.scripts[k].sha, len(keys), *keys, *args] for k, keys, args in calls]
+        replies = await channel.execute_many(commands)
+        if any(isinstance(r, NoScriptError) for r in replies):
+            for script in self.scripts.values():
+                await channel.execute("SCRIPT", "LOAD", script.source)
+            redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+            for i, reply in zip(redo, await channel.execute_many([commands[i] for i in redo]), strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
 
     async def count_attempt(self, delivery: Delivery) -> int:
         """Record that a redelivered message is about to run; return how many such runs it had.

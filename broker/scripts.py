@@ -49,6 +49,14 @@ class Script:
             await client.script_load(self.source)
             return await client.evalsha(self.sha, len(keys), *keys, *args)
 
+    async def on(self, channel: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run the script on a :class:`broker.wire.Channel`."""
+        try:
+            return await channel.execute("EVALSHA", self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await channel.execute("SCRIPT", "LOAD", self.source)
+            return await channel.execute("EVALSHA", self.sha, len(keys), *keys, *args)
+
     def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
         """Add a call to a pipeline; the caller handles NoScriptError results (see RedisBroker)."""
         pipe.evalsha(self.sha, len(keys), *keys, *args)

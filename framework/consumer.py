@@ -57,7 +57,7 @@ class ConsumerStats:
 class _PartitionState:
     """What a consumer tracks for one partition."""
 
-    __slots__ = ("ack_buffer", "ack_wakeup", "capacity", "held", "in_flight", "view")
+    __slots__ = ("ack_buffer", "ack_channel", "ack_lock", "ack_wakeup", "capacity", "held", "in_flight", "view")
 
     def __init__(self, view: GroupPartition) -> None:
         self.view = view
@@ -66,6 +66,8 @@ class _PartitionState:
         self.capacity = anyio.Event()
         self.ack_buffer: list[Delivery] = []
         self.ack_wakeup = anyio.Event()
+        self.ack_channel: Any = None  # the ack flusher's dedicated connection
+        self.ack_lock = anyio.Lock()  # one flush at a time (the flusher and shutdown share the channel)
 
 
 class Consumer:
@@ -119,6 +121,14 @@ class Consumer:
         for state in self.states.values():
             await self._flush(state)
 
+    async def hand_over(self) -> int:
+        """At shutdown: make what this consumer still holds claimable by others at once."""
+        idle_ms = int(self.runtime.settings.visibility_timeout * 1000) + 1
+        released = 0
+        for state in self.states.values():
+            released += await self.runtime.broker.release_own_pending(state.view, self.runtime.consumer_name, idle_ms)
+        return released
+
     @staticmethod
     async def _every(interval: float, fn: Any, *args: Any) -> None:
         while True:
@@ -143,16 +153,26 @@ class Consumer:
                 self._log.info("re-reading own pending entries", partition=state.view.partition, count=len(fresh))
                 await self._admit(state, fresh)
         block = self.runtime.settings.block_ms
-        while True:
-            while state.in_flight > prefetch:
-                state.capacity = anyio.Event()
-                await state.capacity.wait()
-            deliveries = await broker.read(state.view, consumer, prefetch, block)
-            if deliveries:
-                await self._admit(state, deliveries)
+        channel = broker.channel()  # this fetcher's own connection: reads and inbox checks
+        try:
+            while True:
+                while state.in_flight > prefetch:
+                    state.capacity = anyio.Event()
+                    await state.capacity.wait()
+                deliveries = await broker.read(state.view, consumer, prefetch, block, channel=channel)
+                if deliveries:  # what was read is dispatched even if fetching stops meanwhile
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                        await self._admit(state, deliveries, channel)
+        finally:
+            if channel is not None:
+                with anyio.CancelScope(shield=True):
+                    await channel.aclose()
 
-    async def _admit(self, state: _PartitionState, deliveries: list[Delivery]) -> None:
-        """Hold fetched deliveries, settle the ones that cannot run, queue the rest on lanes."""
+    async def _admit(self, state: _PartitionState, deliveries: list[Delivery], channel: Any = None) -> None:
+        """Hold fetched deliveries, settle the ones that cannot run, queue the rest on lanes.
+
+        ``channel`` is the caller's own connection, if it has one (the fetcher's).
+        """
         handler = self.handler
         decode = handler.decode
         key_fn = handler.key
@@ -171,7 +191,7 @@ class Consumer:
             (d, poison_reason(handler, d, f"undecodable message: {d.error}")) for d in deliveries if d.envelope is None
         ]
         if handler.inbox and runnable:
-            runnable = await self._check_inbox(state, runnable)
+            runnable = await self._check_inbox(state, runnable, channel)
         for d in runnable:
             env = d.envelope
             assert env is not None
@@ -194,11 +214,11 @@ class Consumer:
             await self._dead_letter(state, d, reason)
         lanes.submit(self, state, by_lane)
 
-    async def _check_inbox(self, state: _PartitionState, deliveries: list[Delivery]) -> list[Delivery]:
+    async def _check_inbox(self, state: _PartitionState, deliveries: list[Delivery], channel: Any) -> list[Delivery]:
         """Ack duplicates at once, leave messages leased elsewhere pending; return those to run."""
         lease_ms = int(self.runtime.settings.visibility_timeout * 1000)
         try:
-            statuses = await self.runtime.broker.inbox_claim(state.view, deliveries, lease_ms)
+            statuses = await self.runtime.broker.inbox_claim(state.view, deliveries, lease_ms, channel=channel)
         except BaseException:
             self._forget(state, deliveries)
             raise
@@ -430,6 +450,16 @@ class Consumer:
 
     async def _ack_loop(self, state: _PartitionState) -> None:
         interval = self.runtime.settings.ack_interval
+        state.ack_channel = channel = self.runtime.broker.channel()
+        try:
+            await self._ack_forever(state, interval)
+        finally:
+            state.ack_channel = None
+            if channel is not None:
+                with anyio.CancelScope(shield=True):
+                    await channel.aclose()
+
+    async def _ack_forever(self, state: _PartitionState, interval: float) -> None:
         while True:
             if not state.ack_buffer:  # after a failed flush the buffer is not empty: go at once
                 await state.ack_wakeup.wait()
@@ -439,11 +469,15 @@ class Consumer:
             await self._flush(state)
 
     async def _flush(self, state: _PartitionState) -> None:
+        async with state.ack_lock:
+            await self._flush_locked(state)
+
+    async def _flush_locked(self, state: _PartitionState) -> None:
         if not state.ack_buffer:
             return
         batch, state.ack_buffer = state.ack_buffer, []
         try:
-            await self.runtime.broker.ack(state.view, batch, inbox=self.handler.inbox)
+            await self.runtime.broker.ack(state.view, batch, inbox=self.handler.inbox, channel=state.ack_channel)
         except BaseException:
             state.ack_buffer[:0] = batch  # acks are idempotent: keep them for the next flush
             raise

@@ -177,9 +177,16 @@ class Runtime:
         if scope.cancelled_caught:
             left = sum(c.in_flight for c in self.consumers)
             log.warning("shutdown timeout: unfinished messages will be redelivered", unfinished=left)
+        handed_over = 0
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
             for consumer in self.consumers:
                 await consumer.flush_acks()
+            # Entries fetched but not run (a read cut short, a handler past the timeout) stay
+            # pending: let live consumers claim them now rather than after the visibility timeout.
+            for consumer in self.consumers:
+                handed_over += await consumer.hand_over()
+        if handed_over:
+            log.info("handed over unfinished entries to other consumers", entries=handed_over)
         if self.relay is not None:
             self.relay.stop()  # finishes the batch in progress
         log.info(

@@ -7,6 +7,7 @@ from collections import Counter, defaultdict
 
 import anyio
 import attrs
+import orjson
 import pytest
 
 from framework import Context, Queue, RetryPolicy, Runtime, RuntimeSettings, Service, Topic
@@ -204,10 +205,16 @@ async def test_shutdown_acks_everything_it_processed(redis_url: str, namespace: 
         await harness.stop()
         assert runtime is not None and runtime.in_flight == 0
         view = runtime.consumers[0].states[0].view
-        groups = await harness.broker.stream_groups(view.stream)
-        assert groups[0]["pending"] == 0  # all processed were acked, the rest were never fetched
-        remaining = await harness.broker.redis.xlen(view.stream)
-        assert remaining == 40 - len(processed)
+        pending = await harness.broker.redis.execute_command("XPENDING", view.stream, "s", "-", "+", 100)
+        pending_ids = {p[0] for p in pending}
+        assert all(p[2] > TEST_SETTINGS.visibility_timeout * 1000 for p in pending)  # handed over: claimable now
+        left = {
+            orjson.loads(dict(zip(f[::2], f[1::2], strict=True))[b"body"])["n"]: eid
+            for eid, f in await harness.broker.redis.execute_command("XRANGE", view.stream, "-", "+")
+        }
+        assert not set(left) & set(processed)  # everything processed was acked (and deleted)
+        assert len(left) == 40 - len(processed)  # and nothing unprocessed was acked
+        assert pending_ids <= set(left.values())  # at most fetched-not-run entries stay pending, for redelivery
 
 
 async def test_a_restarted_runtime_rereads_its_own_pending_entries(redis_url: str, namespace: str) -> None:
