@@ -179,6 +179,17 @@ class RssSampler:
         """The largest RSS seen (0 before the first sample)."""
         return max((v for _, v in self.samples), default=0)
 
+    def halves_mib(self, drain_seconds: float) -> tuple[float, float]:
+        """Peak RSS (MiB) in the first and the second half of the last ``drain_seconds`` sampled."""
+        if not self.samples:
+            return 0.0, 0.0
+        end = self.samples[-1][0]
+        middle = end - drain_seconds / 2
+        start = end - drain_seconds
+        first = [v for t, v in self.samples if start <= t < middle] or [self.samples[0][1]]
+        second = [v for t, v in self.samples if t >= middle]
+        return max(first) / 1024, max(second) / 1024
+
     def last_kib(self) -> int:
         """The latest RSS sample."""
         return self.samples[-1][1] if self.samples else 0

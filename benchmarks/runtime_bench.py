@@ -255,6 +255,7 @@ def _drain(
             "seconds": seconds,
             "handled_s": (summary["last_ns"] - summary["first_ns"]) / 1e9,
             "peak_rss_mib": rss.peak_kib / 1024 if sample_rss else None,
+            "halves_rss_mib": rss.halves_mib(seconds) if sample_rss else None,
         }
     finally:
         client.close()
@@ -483,6 +484,9 @@ def memory(url: str, backlog: int, *, progress: Progress = _quiet) -> dict[str, 
         return {
             "backlog": backlog,
             "peak_rss_mib": result["peak_rss_mib"],
+            # peak RSS in the first and the second half of the drain: growth over time shows here
+            "first_half_rss_mib": result["halves_rss_mib"][0],
+            "second_half_rss_mib": result["halves_rss_mib"][1],
             "msgs_per_s": backlog / result["seconds"],
             "fill_msgs_per_s": fill_rate,
             "server_inbox_mib": _memory_usage_mib(client, f"{stream}:g:bench-commands:inbox"),
