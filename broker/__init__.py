@@ -7,7 +7,7 @@ reads the same streams through it.
 from broker.connect import connect, default_namespace, redact, resolve_url
 from broker.embedded import EmbeddedServer, ServerStatus, default_data_dir
 from broker.envelope import COMMAND, EVENT, Envelope, Kind, now_ms
-from broker.errors import BrokerError, BrokerUnavailable, ConfigurationError, DecodeError
+from broker.errors import BrokerError, BrokerUnavailable, ConfigurationError, DecodeError, EffectsFailed
 from broker.ids import derive_id, id_time_ms, new_id
 from broker.keys import GroupKeys, KeySpace, PartitionKeys
 from broker.protocol import Broker, Delivery, GroupPartition, Start
@@ -25,6 +25,7 @@ __all__ = [
     "DecodeError",
     "Delivery",
     "DestinationSpec",
+    "EffectsFailed",
     "EmbeddedServer",
     "Envelope",
     "GroupKeys",

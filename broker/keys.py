@@ -6,7 +6,11 @@ MULTI that touch a stream and its group keys stay on one Cluster node::
     <ns>:destinations                          hash    name -> JSON DestinationSpec
     <ns>:subscriptions                         hash    "<destination>|<group>" -> JSON {start}
     <ns>:{<dest>:<p>}                          stream  the partition's messages
-    <ns>:{<dest>:<p>}:published                zset    producer idempotency keys, score = publish ms
+    <ns>:{<dest>:<p>}:published                zset    producer idempotency keys, score = expiry ms (time of
+                                                       the publish that stored it + its dedup window); a repeat
+                                                       is dropped while score > now. Expired members are removed
+                                                       by later keyed publishes and by RedisBroker.trim; the zset
+                                                       expires a minute after its last member (publish_once.lua)
     <ns>:{<dest>:<p>}:g:<group>:redeliver      stream  retries and redrives for that group only
     <ns>:{<dest>:<p>}:g:<group>:delayed        zset    delayed retries: member = JSON entry, score = due ms
     <ns>:{<dest>:<p>}:g:<group>:dlq            stream  the group's dead letters

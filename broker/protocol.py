@@ -5,7 +5,8 @@ the real server); the framework relies on nothing else.
 
 * **Publish.** ``publish`` returns once every envelope is durable on the server (as durable as the
   server's persistence makes it). Envelopes with one key go to one partition and are stored in
-  the order given. A publish with an idempotency key is stored at most once per dedup window.
+  the order given. A publish with an idempotency key is stored at most once per dedup window; the
+  key is checked in the partition the message goes to (by its key, else by its idempotency key).
 * **Read.** A group sees every message of a destination once per delivery: a queue has one group
   (its owning service); a topic has one group per subscribing service and each gets every event.
   Within a group, an entry is delivered to one consumer at a time.

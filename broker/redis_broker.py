@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -12,8 +12,8 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from broker.codec import decode_flat, encode_fields
 from broker.envelope import Envelope, Kind, now_ms
-from broker.errors import ConfigurationError, DecodeError
-from broker.headers import FIRST_FAILED_AT, IDEMPOTENCY_KEY
+from broker.errors import ConfigurationError, DecodeError, EffectsFailed
+from broker.headers import DLQ_ERROR_MESSAGE, DLQ_ERROR_TYPE, DLQ_REASON, FIRST_FAILED_AT, IDEMPOTENCY_KEY
 from broker.keys import KeySpace, PartitionKeys
 from broker.protocol import Delivery, GroupPartition, Start
 from broker.scripts import Script, load_scripts
@@ -22,6 +22,8 @@ from broker.wire import Channel
 
 __all__ = ["RedisBroker"]
 
+_DEFAULT_DEDUP_WINDOW_MS = 24 * 3600 * 1000  # producer idempotency keys, unless the caller says otherwise
+_SCRIPT_REASON = (DLQ_REASON, DLQ_ERROR_TYPE, DLQ_ERROR_MESSAGE)  # written by commit_effects.lua itself
 _ACK_CHUNK = 1000  # ids per script call; Lua's unpack() limit is about 8000
 _RAW = ("XREADGROUP", "XAUTOCLAIM", "XCLAIM", "XPENDING", "XINFO GROUPS", "XINFO STREAM", "XRANGE", "XREVRANGE")
 
@@ -32,6 +34,15 @@ def _raw(response: Any, **_: Any) -> Any:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _partition_of(spec: DestinationSpec, env: Envelope, idem: str | None) -> int:
+    """The envelope's partition: by its key, else by its idempotency key, else by its id.
+
+    Routing by the idempotency key keeps repeats of one key in one partition, where
+    ``publish_once.lua`` checks it.
+    """
+    return spec.partition_for(env.key, idem or env.id)
 
 
 class RedisBroker:
@@ -161,12 +172,16 @@ class RedisBroker:
         """Append envelopes in one round trip; return entry ids (None where an idempotency key repeated).
 
         Entries for one partition stream go in one script call (one reply for the lot), in order.
-        An envelope carrying the ``idempotency-key`` header is stored at most once per
-        ``dedup_window_ms`` (default: one day) per partition.
+        An envelope carrying the ``idempotency-key`` header is stored at most once while that key's
+        dedup window lasts: ``dedup_window_ms`` (default: one day) from the publish that stored it;
+        a dropped repeat does not extend it. The key is checked in the partition the message goes
+        to, chosen by the message's key, else by its idempotency key (not by its random id), so
+        repeats without a message key land in one partition and are caught there. Repeats that
+        carry different message keys may land in different partitions and are then not caught.
         """
         if not envelopes:
             return []
-        window = dedup_window_ms if dedup_window_ms is not None else 24 * 3600 * 1000
+        window = dedup_window_ms if dedup_window_ms is not None else _DEFAULT_DEDUP_WINDOW_MS
         calls: list[tuple[str, list[str], list[Any]]] = []
         batches: dict[str, tuple[int, list[int], list[Any]]] = {}  # stream -> (call index, positions, args)
         slots: list[tuple[int, int]] = []  # per envelope: (call index, position in that call's reply)
@@ -174,9 +189,9 @@ class RedisBroker:
             spec = self._specs.get(env.destination)
             if spec is None or spec.kind != env.kind:
                 spec = await self._spec_for(env.destination, env.kind)
-            pkeys = self._partition_keys(spec.name, spec.partition_for(env.key, env.id))
-            fields = encode_fields(env)
             idem = env.headers.get(IDEMPOTENCY_KEY) if env.headers else None
+            pkeys = self._partition_keys(spec.name, _partition_of(spec, env, idem))
+            fields = encode_fields(env)
             if idem:
                 batches.pop(pkeys.stream, None)  # later entries of this stream go after it: order kept
                 slots.append((len(calls), -1))
@@ -304,16 +319,21 @@ class RedisBroker:
             out += self._deliveries(source, [[stream, entries]], counts)
         return out
 
-    async def release_own_pending(self, source: GroupPartition, consumer: str, idle_ms: int) -> int:
-        """Make every entry pending for ``consumer`` claimable by others at once (a handover at shutdown).
+    async def release_own_pending(
+        self, source: GroupPartition, consumer: str, idle_ms: int, *, keep: Iterable[str] = ()
+    ) -> int:
+        """Make entries pending for ``consumer`` claimable by others at once (a handover at shutdown).
 
         The entries stay pending (nothing is lost); their idle time is set to ``idle_ms`` (at least
-        the visibility timeout), so the next claim by a live consumer takes them. Returns how many.
+        the visibility timeout), so the next claim by a live consumer takes them. Entry ids in
+        ``keep`` (handlers still running them) are left alone: they are claimed only after the
+        visibility timeout, so they never run twice at once. Returns how many were released.
         """
+        kept = set(keep)
         released = 0
         for stream in (source.stream, source.keys.redeliver):
             rows = await self.redis.execute_command("XPENDING", stream, source.group, "-", "+", 10_000, consumer)
-            ids = [_text(r[0]) for r in rows]
+            ids = [i for i in (_text(r[0]) for r in rows) if i not in kept]
             for i in range(0, len(ids), 1000):
                 chunk = ids[i : i + 1000]
                 await self.redis.execute_command(
@@ -381,27 +401,60 @@ class RedisBroker:
         commands: Sequence[Sequence[Any]],
         keys: Sequence[str],
         outgoing: Sequence[Envelope] = (),
+        *,
+        reason: Mapping[str, str] = {},
     ) -> bool:
         """Apply ``commands``, publish ``outgoing``, mark the inbox and ack, atomically.
 
-        Returns False (and only acks) when the message was already processed. On a Cluster every
-        key must share the delivery's hash tag, and ``outgoing`` must be empty (publish it first).
+        Returns True when applied; False when the message was already processed (then it is only
+        acked) or its entry is no longer pending for the group (settled elsewhere, or by an
+        earlier failed commit: nothing is done). On a Cluster every key must share the
+        delivery's hash tag, and ``outgoing`` must be empty (publish it first).
+
+        Redis cannot roll back, so a command that fails stops the rest (``outgoing`` go after
+        ``commands``, so no message is sent) and the commands before it stay applied: running the
+        handler again would apply them twice. So the same script call dead-letters the message
+        (its fields, ``reason`` - the base ``dlq-*`` fields the caller builds - and ``dlq-reason``,
+        ``dlq-error-type``, ``dlq-error-message`` naming the command and the error), acks it,
+        releases its inbox lease (a redrive runs the handler again) and drops its attempts
+        counter; then :class:`~broker.errors.EffectsFailed` is raised (``applied`` may be 0).
+        Server states that refuse every write (OOM, READONLY) raise the redis error instead,
+        having changed nothing; the entry stays pending.
         """
         source = delivery.source
         calls: list[list[Any]] = [list(c) for c in commands]
         out_keys: list[str] = []
         for env in outgoing:
             spec = await self._spec_for(env.destination, env.kind)
-            stream = self.keyspace.partition(spec.name, spec.partition_for(env.key, env.id)).stream
+            idem = env.headers.get(IDEMPOTENCY_KEY) if env.headers else None
+            stream = self._partition_keys(spec.name, _partition_of(spec, env, idem)).stream
             out_keys.append(stream)
             calls.append(["XADD", stream, "*", *encode_fields(env)])
         flat: list[Any] = []
+        for k, v in reason.items():
+            if k not in _SCRIPT_REASON:
+                flat += (k, v)
+        pairs = len(flat) // 2
         for c in calls:
             flat += (len(c), *c)
-        script_keys = [delivery.stream, source.keys.inbox, source.keys.attempts, *keys, *out_keys]
+        script_keys = [delivery.stream, source.keys.inbox, source.keys.attempts, source.keys.dlq, *keys, *out_keys]
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
-        args = [source.group, delete, now_ms(), delivery.entry_id, delivery.message_id, len(calls), *flat]
-        return bool(await self.scripts["commit_effects"](self.redis, script_keys, args))
+        args = [
+            source.group,
+            delete,
+            now_ms(),
+            delivery.entry_id,
+            delivery.message_id,
+            len(commands),
+            len(outgoing),
+            pairs,
+            *flat,
+        ]
+        reply = await self.scripts["commit_effects"](self.redis, script_keys, args)
+        if isinstance(reply, list):
+            dead, error, applied = reply
+            raise EffectsFailed(_text(dead), _text(error), int(applied))
+        return bool(reply)
 
     # -- settling ------------------------------------------------------------------------------
 
@@ -520,10 +573,11 @@ class RedisBroker:
         """Trim a topic partition by its retention, never below an unacknowledged entry.
 
         Queues are not trimmed (their entries are deleted on ack). Also drops producer
-        idempotency keys older than one day. Returns the number of entries removed.
+        idempotency keys whose dedup window ended (score = expiry <= ``now_ms``; publishing removes
+        them too, see ``publish_once.lua``). Returns the number of stream entries removed.
         """
         pkeys = self.keyspace.partition(spec.name, partition)
-        await self.redis.zremrangebyscore(pkeys.published, "-inf", now_ms - 24 * 3600 * 1000)
+        await self.redis.zremrangebyscore(pkeys.published, "-inf", now_ms)
         if not spec.is_topic or (spec.retention_ms is None and spec.max_length is None):
             return 0
         cutoff = f"{max(now_ms - spec.retention_ms, 0)}-0" if spec.retention_ms is not None else "0"

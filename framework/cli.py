@@ -94,6 +94,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         visibility_timeout=args.visibility_timeout,
         shutdown_timeout=args.shutdown_timeout,
         consumer=args.consumer,
+        inbox_window=args.inbox_window,
     )
     runtime = Runtime(
         services, url=args.redis_url, namespace=args.namespace, settings=settings, outbox_database_url=args.outbox_relay
@@ -119,7 +120,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
             tg.cancel_scope.cancel()
 
     anyio.run(main, backend_options={"use_uvloop": _use_uvloop()})
+    _abandon_running_threads(log)
     return 0
+
+
+def _abandon_running_threads(log: Any) -> None:
+    """Exit now if sync handlers still run past the shutdown timeout (threads cannot be stopped).
+
+    Their messages were not acknowledged and stay pending: another consumer claims them after the
+    visibility timeout. Waiting for the threads would break the shutdown bound.
+    """
+    import threading
+
+    busy = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    for t in busy:
+        t.join(timeout=0.2)  # idle worker threads stop on their own at once
+    busy = [t for t in busy if t.is_alive()]
+    if busy:
+        log.warning(
+            "sync handlers still running after the shutdown timeout were abandoned; "
+            "their messages stay pending and will be redelivered",
+            threads=len(busy),
+        )
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _use_uvloop() -> bool:
@@ -268,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight handlers get to finish on shutdown (default 30)",
     )
     run.add_argument("--consumer", default=None, help="consumer name (default: host name and a free slot)")
+    run.add_argument(
+        "--inbox-window",
+        type=positive_duration,
+        default=7 * 24 * 3600.0,
+        help="how long processed message ids are remembered for deduplication (default 7d)",
+    )
     run.add_argument(
         "--outbox-relay",
         nargs="?",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["duration", "positive_duration", "positive_int"]
+__all__ = ["duration", "positive_duration", "positive_int", "positive_rate"]
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -35,5 +35,16 @@ def positive_duration(text: str) -> float:
     """A :func:`duration` above zero."""
     value = duration(text)
     if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than zero, got {text!r}")
+    return value
+
+
+def positive_rate(text: str) -> float:
+    """A number above zero (per second)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number per second, got {text!r}") from None
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"must be more than zero, got {text!r}")
     return value

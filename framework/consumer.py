@@ -13,6 +13,7 @@ group's retry path, or the dead-letter queue, each atomic with the ack).
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import attrs
 
-from broker import Delivery, GroupPartition, now_ms
+from broker import Delivery, EffectsFailed, GroupPartition, now_ms
 from framework.context import Context
-from framework.dead_letters import exception_reason, poison_reason
+from framework.dead_letters import base_reason, exception_reason, poison_reason
 from framework.effects import AlreadyProcessed
 from framework.logs import get_logger
 from framework.payloads import PayloadError
-from framework.retry import Decision
+from framework.retry import Decision, HandlerTimeout
 from framework.service import Handler
 from framework.supervisor import supervise
 
@@ -54,10 +55,44 @@ class ConsumerStats:
     handler_seconds: float = 0.0
 
 
+class _Slot:
+    """What one lane is running for a consumer right now (the watchdog and shutdown read it)."""
+
+    __slots__ = ("attempt", "deadline", "delivery", "scope")
+
+    def __init__(self) -> None:
+        self.delivery: Delivery | None = None  # set only while the handler itself runs
+        self.attempt = 0
+        self.deadline = math.inf  # monotonic time past which the watchdog cancels the run
+        self.scope: anyio.CancelScope | None = None
+
+
+class _Finished:
+    """Runs that finished in a lane and wait to be settled: published, then acknowledged."""
+
+    __slots__ = ("deliveries", "duplicates", "outgoing", "since")
+
+    def __init__(self) -> None:
+        self.deliveries: list[Delivery] = []
+        self.outgoing: list[Any] = []
+        self.duplicates = 0
+        self.since = 0.0
+
+
 class _PartitionState:
     """What a consumer tracks for one partition."""
 
-    __slots__ = ("ack_buffer", "ack_channel", "ack_lock", "ack_wakeup", "capacity", "held", "in_flight", "view")
+    __slots__ = (
+        "ack_buffer",
+        "ack_channel",
+        "ack_lock",
+        "ack_wakeup",
+        "capacity",
+        "held",
+        "in_flight",
+        "slots",
+        "view",
+    )
 
     def __init__(self, view: GroupPartition) -> None:
         self.view = view
@@ -68,6 +103,7 @@ class _PartitionState:
         self.ack_wakeup = anyio.Event()
         self.ack_channel: Any = None  # the ack flusher's dedicated connection
         self.ack_lock = anyio.Lock()  # one flush at a time (the flusher and shutdown share the channel)
+        self.slots: set[_Slot] = set()  # one per lane running this partition's messages
 
 
 class Consumer:
@@ -97,6 +133,9 @@ class Consumer:
                 tg.start_soon(supervise, f"{name}.extend", self._every, settings.extend_interval, self._extend, state)
                 tg.start_soon(supervise, f"{name}.retries", self._every, settings.retry_interval, self._move_due, state)
             tg.start_soon(supervise, f"{self.handler.label}.trim", self._every, settings.trim_interval, self._trim)
+            if self.handler.timeout is not None:
+                every = min(1.0, self.handler.timeout / 4)
+                tg.start_soon(supervise, f"{self.handler.label}.watchdog", self._every, every, self._watch)
 
     async def _fetchers_guarded(self, state: _PartitionState, name: str) -> None:
         with anyio.CancelScope() as scope:
@@ -122,11 +161,14 @@ class Consumer:
             await self._flush(state)
 
     async def hand_over(self) -> int:
-        """At shutdown: make what this consumer still holds claimable by others at once."""
+        """At shutdown: make what this consumer holds but does not run claimable by others at once."""
         idle_ms = int(self.runtime.settings.visibility_timeout * 1000) + 1
         released = 0
         for state in self.states.values():
-            released += await self.runtime.broker.release_own_pending(state.view, self.runtime.consumer_name, idle_ms)
+            running = [s.delivery.entry_id for s in state.slots if s.delivery is not None]
+            released += await self.runtime.broker.release_own_pending(
+                state.view, self.runtime.consumer_name, idle_ms, keep=running
+            )
         return released
 
     @staticmethod
@@ -239,62 +281,122 @@ class Consumer:
     # -- processing (runs in lanes) -------------------------------------------------------------------
 
     async def process(self, state: _PartitionState, works: Sequence[Work]) -> None:
-        """Run the handler for each work, in order; publish staged messages; queue acks."""
-        done: list[Delivery] = []
-        outgoing: list[Any] = []
-        started = time.perf_counter()
+        """Run the handler for each work, in order, settling finished ones as it goes.
+
+        A finished message is acknowledged (after its staged messages are published) within
+        about ``ack_interval`` of finishing, not when the whole sub-batch is done, so a crash
+        re-runs as little finished work as possible. A handler past its timeout is cancelled by
+        the watchdog (:meth:`_watch`); its attempt fails and the lane goes on with the next work.
+        """
+        done = _Finished()
+        slot = _Slot()
+        state.slots.add(slot)
+        index = 0
+        try:
+            while index < len(works):
+                with anyio.CancelScope() as scope:
+                    slot.scope = scope
+                    index = await self._process_from(state, works, index, slot, done)
+                if scope.cancelled_caught:  # the watchdog cut works[index] short
+                    await self._timed_out(state, works[index][0], slot)
+                    index += 1
+        except Exception as exc:  # a framework bug: unsettled works stay pending and are redelivered
+            log.error("processing failed; unsettled messages will be redelivered", exc_info=exc)
+            self._forget(state, [d for d, _ in works[index:]])
+        finally:
+            slot.delivery = None
+            state.slots.discard(slot)
+        await self._settle_finished(state, done)
+
+    async def _process_from(
+        self, state: _PartitionState, works: Sequence[Work], start: int, slot: _Slot, done: _Finished
+    ) -> int:
+        """Run works from ``start`` on; return the index after the last (raises if cancelled)."""
+        interval = self.runtime.settings.ack_interval
         run = self._run
-        for d, payload in works:
+        for index in range(start, len(works)):
+            d, payload = works[index]
             if d.delivery_count == 1:
-                ctx = await run(state, d, payload, d.envelope.attempt)  # type: ignore[union-attr]
+                ctx = await run(state, d, payload, d.envelope.attempt, slot)  # type: ignore[union-attr]
             else:
-                ctx = await self._run_suspect(state, d, payload)
-            if ctx is _SETTLED:
-                continue
-            if ctx is not None:
+                ctx = await self._run_suspect(state, d, payload, slot)
+            if ctx is not None and ctx is not _SETTLED:
+                if not done.deliveries:
+                    done.since = time.monotonic()
+                done.deliveries.append(d)
                 if ctx._outgoing:
-                    outgoing += ctx._outgoing
-                done.append(d)
-        self.stats.handler_seconds += time.perf_counter() - started
+                    done.outgoing += ctx._outgoing
+                if ctx._duplicate:
+                    done.duplicates += 1
+                if time.monotonic() - done.since >= interval:
+                    await self._settle_finished(state, done)
+        return len(works)
+
+    async def _settle_finished(self, state: _PartitionState, done: _Finished) -> None:
+        """Publish what finished handlers staged, then queue their acks (one flush for many)."""
+        if not done.deliveries:
+            return
+        deliveries, outgoing, duplicates = done.deliveries, done.outgoing, done.duplicates
+        done.deliveries, done.outgoing, done.duplicates = [], [], 0
+        self.stats.handler_seconds += time.monotonic() - done.since
         if outgoing:
             try:
                 await self.runtime.publish_outgoing(outgoing)
             except Exception as exc:
                 self._log.error(
-                    "could not publish staged messages; the batch will be redelivered", count=len(done), exc_info=exc
+                    "could not publish staged messages; they will be redelivered", count=len(deliveries), exc_info=exc
                 )
-                self._forget(state, done)
+                self._forget(state, deliveries)
                 return
-        self.stats.processed += len(done)
-        if done:
-            state.ack_buffer += done
-            state.ack_wakeup.set()
-            self._release(state, len(done))  # processed: room to fetch more while the ack is on its way
+        self.stats.processed += len(deliveries) - duplicates
+        state.ack_buffer += deliveries
+        state.ack_wakeup.set()
+        self._release(state, len(deliveries))  # processed: room to fetch more while the ack is on its way
 
-    async def _run(self, state: _PartitionState, d: Delivery, payload: Any, attempt: int) -> Context | None:
-        """Call the handler until it succeeds (its context) or the failure is settled (None)."""
+    async def _call(self, fn: Any, payload: Any, ctx: Context) -> None:
+        handler = self.handler
+        if handler.is_async:
+            if handler.takes_context:
+                await fn(payload, ctx)
+            else:
+                await fn(payload)
+            return
+        args = (payload, ctx) if handler.takes_context else (payload,)
+        # A thread cannot be interrupted: on a timeout or a forced shutdown it is abandoned.
+        await anyio.to_thread.run_sync(
+            functools.partial(fn, *args), limiter=self.runtime.thread_limiter, abandon_on_cancel=True
+        )
+
+    async def _run(self, state: _PartitionState, d: Delivery, payload: Any, attempt: int, slot: _Slot) -> Any:
+        """Call the handler until it succeeds (its context) or the failure is settled (None).
+
+        Returns ``_SETTLED`` when the run committed its effects together with its ack.
+        """
         handler = self.handler
         fn = handler.fn
         policy = handler.retry
+        timeout = handler.timeout
+        first_failed: int | None = None
         while True:
             ctx = Context(d, handler, attempt, self.runtime.broker)
+            slot.delivery, slot.attempt = d, attempt
+            slot.deadline = time.monotonic() + timeout if timeout is not None else math.inf
             try:
-                if handler.is_async:
-                    if handler.takes_context:
-                        await fn(payload, ctx)
-                    else:
-                        await fn(payload)
-                else:
-                    args = (payload, ctx) if handler.takes_context else (payload,)
-                    await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.runtime.thread_limiter)
-                if ctx._effects is not None:
-                    return await self._commit_effects(state, d, ctx)
-                return ctx
+                await self._call(fn, payload, ctx)
+                slot.delivery = None
+                if ctx._effects is not None:  # a failed commit (the broker unreachable) is a failed attempt
+                    return await self._commit_effects(state, d, ctx, attempt)
             except AlreadyProcessed:
+                # A SQL transaction found the message recorded: acked like a success, counted as a
+                # duplicate. What it staged before the block is published (same derived ids).
+                slot.delivery = None
                 self.stats.duplicates += 1
-                return ctx  # acked like a success; whatever it staged before finding out is dropped
+                ctx._duplicate = True
+                return ctx
             except Exception as exc:
+                slot.delivery = None
                 self.stats.failed += 1
+                first_failed = first_failed or now_ms()
                 decision = policy.decide(attempt, exc)
                 self._log_failure(d, attempt, exc, decision)
                 if decision.action == "retry" or (decision.action == "delay" and policy.in_place):
@@ -303,10 +405,33 @@ class Consumer:
                         await anyio.sleep(decision.seconds)
                     attempt += 1
                     continue
-                await self._settle_failure(state, d, attempt, exc, decision)
+                await self._settle_failure(state, d, attempt, exc, decision, first_failed)
                 return None
+            return ctx
 
-    async def _commit_effects(self, state: _PartitionState, d: Delivery, ctx: Context) -> Any:
+    async def _timed_out(self, state: _PartitionState, d: Delivery, slot: _Slot) -> None:
+        """Settle a run the watchdog cancelled: a failed attempt, retried through the retry path."""
+        timeout = self.handler.timeout or 0.0
+        sync = "" if self.handler.is_async else " (a sync handler's thread cannot be stopped: it was abandoned)"
+        exc = HandlerTimeout(f"{self.handler.label} ran longer than its {timeout:g} s timeout and was cancelled{sync}")
+        slot.delivery = None
+        self.stats.failed += 1
+        decision = self.handler.retry.decide(slot.attempt, exc)
+        if decision.action == "retry":  # never in place: the lane must move on
+            decision = attrs.evolve(decision, action="delay")
+        self._log_failure(d, slot.attempt, exc, decision)
+        with anyio.CancelScope(shield=True):
+            await self._settle_failure(state, d, slot.attempt, exc, decision, None)
+
+    async def _watch(self) -> None:
+        """Cancel handler runs past their deadline (see :meth:`process`)."""
+        now = time.monotonic()
+        for state in self.states.values():
+            for slot in state.slots:
+                if slot.delivery is not None and slot.deadline <= now and slot.scope is not None:
+                    slot.scope.cancel()
+
+    async def _commit_effects(self, state: _PartitionState, d: Delivery, ctx: Context, attempt: int) -> Any:
         """Commit a handler's Redis writes, outgoing messages, inbox mark and ack in one step."""
         effects = ctx._effects
         assert effects is not None
@@ -319,15 +444,28 @@ class Consumer:
             for _, spec in ctx._outgoing:
                 if spec is not None:
                     await broker.declare(spec)
-        applied = await broker.commit_effects(d, effects.commands, effects.keys, outgoing)
-        if applied:
-            self.stats.processed += 1
+        try:
+            applied = await broker.commit_effects(
+                d, effects.commands, effects.keys, outgoing, reason=base_reason(self.handler, d, attempt)
+            )
+        except EffectsFailed as exc:  # dead-lettered by the same script: a retry would apply them again
+            self.stats.dead_lettered += 1
+            self._log.error(
+                "Redis effects failed part-way; message dead-lettered (Redis has no rollback)",
+                message_id=d.message_id,
+                error=exc.error,
+                applied=exc.applied,
+                dlq_entry=exc.dlq_entry,
+            )
         else:
-            self.stats.duplicates += 1
+            if applied:
+                self.stats.processed += 1
+            else:
+                self.stats.duplicates += 1
         self._forget(state, [d])
         return _SETTLED
 
-    async def _run_suspect(self, state: _PartitionState, d: Delivery, payload: Any) -> Context | None:
+    async def _run_suspect(self, state: _PartitionState, d: Delivery, payload: Any, slot: _Slot) -> Any:
         """Run a redelivered message alone in the process (see :meth:`_count_redelivery`).
 
         Redelivered messages are suspects: one of them may be what killed the last worker. Run
@@ -337,7 +475,7 @@ class Consumer:
         async with self.runtime.suspect_lock:
             if not await self._count_redelivery(state, d):
                 return None
-            ctx = await self._run(state, d, payload, d.attempt)
+            ctx = await self._run(state, d, payload, d.attempt, slot)
             if ctx is None or ctx is _SETTLED:
                 return ctx
             # Settle before the next suspect starts: if that one kills the process, this one's
@@ -345,7 +483,8 @@ class Consumer:
             if ctx._outgoing:
                 await self.runtime.publish_outgoing(ctx._outgoing)
             await self.runtime.broker.ack(state.view, [d], inbox=self.handler.inbox)
-            self.stats.processed += 1
+            if not ctx._duplicate:  # a duplicate was counted when it was found
+                self.stats.processed += 1
             self._forget(state, [d])
             return _SETTLED
 
@@ -354,8 +493,9 @@ class Consumer:
 
         The delivery count also rises for messages fetched by a worker that died before it ran
         them, so it cannot tell a crash loop on its own: runs of redelivered messages are counted
-        in Redis just before they start (first deliveries are not, which saves a write per message).
-        Sets ``d.delivery_count`` to the attempt number this run has (first attempt presumed run).
+        in Redis just before they start (first deliveries are not, which saves a write per message,
+        so a first delivery a worker died holding counts as one attempt, whether it started or not).
+        Sets ``d.delivery_count`` to the attempt number this run has.
         """
         assert d.envelope is not None
         try:
@@ -370,8 +510,8 @@ class Consumer:
             reason = poison_reason(
                 self.handler,
                 d,
-                f"started {attempt - 1} times (max_attempts {max_attempts}) without completing: "
-                "the worker crashed or stalled past the visibility timeout each time",
+                f"delivered {attempt - 1} times (max_attempts {max_attempts}) without completing: "
+                "the worker holding it crashed or stalled past the visibility timeout each time",
                 attempts=attempt - 1,
             )
             await self._dead_letter(state, d, reason)
@@ -411,17 +551,24 @@ class Consumer:
         )
 
     async def _settle_failure(
-        self, state: _PartitionState, d: Delivery, attempt: int, exc: BaseException, decision: Decision
+        self,
+        state: _PartitionState,
+        d: Delivery,
+        attempt: int,
+        exc: BaseException,
+        decision: Decision,
+        first_failed: int | None,
     ) -> None:
+        """Park a failed message for a delayed retry, or dead-letter it; ``first_failed``: Unix ms
+        of the first failure this process saw (immediate and in-place retries carry no field)."""
         broker = self.runtime.broker
         try:
             if decision.action == "delay":
                 await broker.retry_later(d, now_ms() + int(decision.seconds * 1000), attempt=attempt)
                 self.stats.retried += 1
             else:
-                await self._dead_letter(
-                    state, d, exception_reason(self.handler, d, attempt, exc, decision.reason), forget=False
-                )
+                reason = exception_reason(self.handler, d, attempt, exc, decision.reason, first_failed_ms=first_failed)
+                await self._dead_letter(state, d, reason, forget=False)
         except Exception as err:
             self._log.error(
                 "could not settle a failed message; it stays pending and will be redelivered",

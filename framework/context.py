@@ -10,10 +10,13 @@ from typing import Any
 from broker import COMMAND, EVENT, Delivery, Envelope, derive_id
 from broker.headers import CAUSATION_ID, CORRELATION_ID
 from framework.effects import RedisEffects, sql_transaction
+from framework.logs import get_logger
 from framework.messages import Outgoing, build_envelope
 from framework.service import Handler, Queue, Topic
 
 __all__ = ["Context"]
+
+log = get_logger("framework.context")
 
 
 class _Staged:
@@ -38,7 +41,17 @@ class Context:
     ``send``/``publish`` work from sync and async handlers; ``await`` on them is optional.
     """
 
-    __slots__ = ("_broker", "_delivery", "_effects", "_handler", "_outgoing", "attempt")
+    __slots__ = (
+        "_broker",
+        "_delivery",
+        "_duplicate",
+        "_effects",
+        "_handler",
+        "_outgoing",
+        "_sql_done",
+        "_staged",
+        "attempt",
+    )
 
     def __init__(self, delivery: Delivery, handler: Handler, attempt: int, broker: Any = None) -> None:
         self._delivery = delivery
@@ -46,6 +59,9 @@ class Context:
         self._outgoing: list[Outgoing] = []
         self._effects: RedisEffects | None = None
         self._broker = broker
+        self._staged = 0  # messages staged so far, including those moved to a SQL outbox: their positions
+        self._duplicate = False  # a SQL transaction found this message already processed
+        self._sql_done = False  # a SQL transaction of this run committed
         self.attempt = attempt
         """This attempt's number (1 for the first), counting retries and crash redeliveries."""
 
@@ -156,7 +172,16 @@ class Context:
         hdrs = {CORRELATION_ID: self.correlation_id, CAUSATION_ID: env.id}
         if headers:
             hdrs.update(headers)
-        message_id = derive_id(env.id, f"{self._handler.service}/{len(self._outgoing)}")
+        if self._sql_done:
+            log.warning(
+                "message staged after ctx.sql_transaction committed: stage it inside the block. If this "
+                "handler fails after the commit, its retry finds the message processed and skips the "
+                "rest, so this message would never be sent",
+                message_id=env.id,
+                handler=self._handler.label,
+            )
+        message_id = derive_id(env.id, f"{self._handler.service}/{self._staged}")
+        self._staged += 1
         out = build_envelope(
             destination,
             kind,

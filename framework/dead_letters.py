@@ -14,7 +14,7 @@ from broker import Delivery, now_ms
 from broker import headers as h
 from framework.service import Handler
 
-__all__ = ["exception_reason", "poison_reason"]
+__all__ = ["base_reason", "exception_reason", "poison_reason"]
 
 _TRACEBACK_LIMIT = 4000  # characters kept from the end of a traceback
 
@@ -24,25 +24,42 @@ def _trimmed_traceback(exc: BaseException) -> str:
     return text if len(text) <= _TRACEBACK_LIMIT else "...\n" + text[-_TRACEBACK_LIMIT:]
 
 
-def _base(handler: Handler, d: Delivery, attempts: int, reason: str) -> dict[str, str]:
+def base_reason(
+    handler: Handler, d: Delivery, attempts: int, reason: str = "", *, first_failed_ms: int | None = None
+) -> dict[str, str]:
+    """The fields every dead letter has: where it was consumed, by whom, attempts, and when it failed.
+
+    The first failure time is the one a retried copy carries, else ``first_failed_ms`` (when this
+    process saw an earlier attempt fail), else now.
+    """
     now = str(now_ms())
     first = d.fields.get(h.FIRST_FAILED_AT.encode())
-    return {
-        h.DLQ_REASON: reason,
+    fields = {
         h.DLQ_ATTEMPTS: str(attempts),
         h.DLQ_HANDLER: handler.label,
         h.DLQ_DESTINATION: d.source.spec.name,
         h.DLQ_PARTITION: str(d.source.partition),
         h.DLQ_GROUP: d.source.group,
         h.DLQ_ENTRY_ID: d.entry_id,
-        h.DLQ_FIRST_FAILED_AT: first.decode() if first else now,
+        h.DLQ_FIRST_FAILED_AT: first.decode() if first else str(first_failed_ms or now),
         h.DLQ_DEAD_AT: now,
     }
+    if reason:
+        fields[h.DLQ_REASON] = reason
+    return fields
 
 
-def exception_reason(handler: Handler, d: Delivery, attempts: int, exc: BaseException, why: str) -> dict[str, str]:
+def exception_reason(
+    handler: Handler,
+    d: Delivery,
+    attempts: int,
+    exc: BaseException,
+    why: str,
+    *,
+    first_failed_ms: int | None = None,
+) -> dict[str, str]:
     """Reason fields for a handler that raised ``exc`` on its last attempt (or a fatal error)."""
-    fields = _base(handler, d, attempts, f"{why}: {type(exc).__name__}: {exc}")
+    fields = base_reason(handler, d, attempts, f"{why}: {type(exc).__name__}: {exc}", first_failed_ms=first_failed_ms)
     fields[h.DLQ_ERROR_TYPE] = f"{type(exc).__module__}.{type(exc).__qualname__}"
     fields[h.DLQ_ERROR_MESSAGE] = str(exc)
     fields[h.DLQ_TRACEBACK] = _trimmed_traceback(exc)
@@ -51,7 +68,7 @@ def exception_reason(handler: Handler, d: Delivery, attempts: int, exc: BaseExce
 
 def poison_reason(handler: Handler, d: Delivery, reason: str, *, attempts: int | None = None) -> dict[str, str]:
     """Reason fields for a message that cannot run at all (undecodable, invalid, crash loop)."""
-    fields = _base(handler, d, d.attempt if attempts is None else attempts, reason)
+    fields = base_reason(handler, d, d.attempt if attempts is None else attempts, reason)
     fields[h.DLQ_ERROR_TYPE] = "poison"
     fields[h.DLQ_ERROR_MESSAGE] = reason
     return fields

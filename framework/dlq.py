@@ -116,6 +116,8 @@ class DeadLetters:
         self, *, group: str | None = None, destination: str | None = None, limit: int | None = None
     ) -> list[DeadLetter]:
         """Dead letters, filtered by group and/or destination, oldest first per partition."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit!r}")
         out: list[DeadLetter] = []
         for view in await self._views(group, destination):
             for entry_id, fields in await self.broker.dead_letter_entries(view, limit):
@@ -176,6 +178,8 @@ class DeadLetters:
 
         ``rate`` caps the moves per second, so a large DLQ does not flood a recovering service.
         """
+        if rate is not None and not rate > 0:
+            raise ValueError(f"rate must be a positive number of dead letters per second, got {rate!r}")
         moved = 0
         for d in await self._select(idents, group, destination, everything):
             spec = await self.broker.get_destination(d.destination)

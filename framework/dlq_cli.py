@@ -11,6 +11,7 @@ import anyio
 import orjson
 
 from broker import connect
+from framework.cli_args import positive_int, positive_rate
 from framework.dlq import DeadLetter, DeadLetters
 
 __all__ = ["register"]
@@ -150,7 +151,7 @@ def register(
     p = actions.add_parser("list", help="dead letters, newest last")
     p.add_argument("--group", help="only this consumer group (service)")
     p.add_argument("--destination", help="only this queue/topic")
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--limit", type=positive_int, default=None, help="at most this many (the oldest first)")
     p.add_argument("--json", action="store_true")
     connection_options(p)
     p.set_defaults(func=cmds["list"])
@@ -171,7 +172,7 @@ def register(
         p.add_argument("--destination")
         p.add_argument("--all", action="store_true", help="every dead letter (of the group/destination if given)")
         if name == "redrive":
-            p.add_argument("--rate", type=float, default=None, help="at most this many per second")
+            p.add_argument("--rate", type=positive_rate, default=None, help="at most this many per second")
         else:
             p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
         connection_options(p)

@@ -8,7 +8,9 @@ was already processed (a duplicate that slipped past the batch check) nothing is
 in the inbox table (``INSERT ... ON CONFLICT DO NOTHING``); a duplicate raises
 :class:`AlreadyProcessed`, which the runtime acknowledges without running the rest. Messages staged
 inside the block are written to the outbox table in the same transaction; the outbox relay
-publishes them.
+publishes them. Everything after the block is not exactly-once: if the handler fails after the
+commit, its retry finds the message processed and skips the rest, so every effect and every send
+belongs inside the block (staging after it logs a warning).
 """
 
 from __future__ import annotations
@@ -69,4 +71,5 @@ async def sql_transaction(ctx: Context, engine: AsyncEngine) -> AsyncIterator[As
         staged = ctx._outgoing[before:]
         if staged:
             await outbox.stage(conn, staged)  # with their specs: the relay declares Queue/Topic layouts
-            del ctx._outgoing[before:]
+            del ctx._outgoing[before:]  # their positions stay taken (ctx._staged): later ids differ
+    ctx._sql_done = True

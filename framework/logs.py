@@ -32,7 +32,13 @@ def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
     renderer: structlog.typing.Processor
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
-        exc = [structlog.processors.dict_tracebacks]
+        # no local variables in tracebacks: they would copy message bodies (personal data,
+        # secrets) into the logs on every failed attempt
+        exc = [
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False, max_frames=20)
+            )
+        ]
     else:
         # plain tracebacks: rich's (structlog's default) costs ~100 ms per failure on the hot path
         renderer = structlog.dev.ConsoleRenderer(

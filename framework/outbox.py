@@ -143,10 +143,13 @@ async def stage(conn: AsyncConnection, messages: Sequence[Envelope | Outgoing]) 
     await conn.execute(_INSERT[dialect], rows)
 
 
+_NO_PAYLOAD: Any = object()
+
+
 async def add(
     conn: AsyncConnection,
-    destination: str | Queue | Topic,
-    payload: Any,
+    destination: str | Queue | Topic | Envelope,
+    payload: Any = _NO_PAYLOAD,
     *,
     kind: Kind | None = None,
     key: str | None = None,
@@ -159,7 +162,15 @@ async def add(
     ``kind`` is ``"event"`` (a topic) or ``"command"`` (a queue); it is implied by a
     :class:`~framework.Topic`/:class:`~framework.Queue` destination and required with a name.
     The message is published by a relay once the transaction commits, and never if it rolls back.
+    ``add(conn, envelope)`` adds a prepared :class:`~broker.Envelope` as it is (its id kept).
     """
+    if isinstance(destination, Envelope):
+        if payload is not _NO_PAYLOAD:
+            raise TypeError("add(conn, envelope) takes no payload: the envelope carries its body")
+        await stage(conn, [destination])
+        return destination.id
+    if payload is _NO_PAYLOAD:
+        raise TypeError(f"add(conn, {destination!r}, payload): the payload is missing")
     if kind is None:
         if isinstance(destination, Topic):
             kind = EVENT

@@ -111,6 +111,7 @@ def _commands(usage_error: type[Exception]) -> dict[str, Callable[[argparse.Name
                         batch_size=args.batch_size,
                         poll_interval=args.poll_interval,
                         retention=args.retention,
+                        inbox_retention=args.inbox_retention,
                         concurrency=args.concurrency,
                         max_shards=args.max_shards,
                     )
@@ -310,6 +311,12 @@ def register(
         type=duration,
         default=24 * 3600.0,
         help="how long sent messages are kept, e.g. 3600, 12h, 7d (default 24h)",
+    )
+    p.add_argument(
+        "--inbox-retention",
+        type=duration,
+        default=7 * 24 * 3600.0,
+        help="how long SQL inbox records (handlers' processed message ids) are kept (default 7d)",
     )
     p.add_argument(
         "--concurrency", type=positive_int, default=2, help="batches in flight at once on PostgreSQL (default 2)"

@@ -11,7 +11,8 @@ Attempts are numbered from 1 (the first delivery). After a failed attempt ``n``:
   order holds but the lane is blocked meanwhile).
 
 A handler may raise :class:`RetryAfter` to choose the delay itself (a rate-limited API said
-"retry after 30 s"); it still counts as an attempt.
+"retry after 30 s"); it still counts as an attempt. A handler that runs past its timeout is
+cancelled and fails with :class:`HandlerTimeout`, retried through the retry path.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Literal
 
 import attrs
 
-__all__ = ["Decision", "RetryAfter", "RetryPolicy"]
+__all__ = ["Decision", "HandlerTimeout", "RetryAfter", "RetryPolicy"]
 
 
 class RetryAfter(Exception):
@@ -30,6 +31,14 @@ class RetryAfter(Exception):
     def __init__(self, seconds: float, reason: str = "") -> None:
         super().__init__(reason or f"retry requested after {seconds:g}s")
         self.seconds = float(seconds)
+
+
+class HandlerTimeout(TimeoutError):
+    """A handler ran past its ``timeout`` and was cancelled; it counts as a failed attempt.
+
+    Retried through the group's retry path (never in place: the lane moves on), dead-lettered
+    after ``max_attempts``. A sync handler's thread cannot be interrupted: it is abandoned and runs on.
+    """
 
 
 @attrs.frozen

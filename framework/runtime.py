@@ -189,11 +189,11 @@ class Runtime:
             log.info("handed over unfinished entries to other consumers", entries=handed_over)
         if self.relay is not None:
             self.relay.stop()  # finishes the batch in progress
-        log.info(
-            "runtime stopped",
-            seconds=round(time.monotonic() - started, 3),
-            processed=sum(c.stats.processed for c in self.consumers),
-        )
+        totals = {
+            name: sum(getattr(c.stats, name) for c in self.consumers)
+            for name in ("processed", "duplicates", "failed", "retried", "dead_lettered")
+        }
+        log.info("runtime stopped", seconds=round(time.monotonic() - started, 3), **totals)
 
     async def publish_outgoing(self, outgoing: Sequence[Outgoing]) -> None:
         """Publish messages staged by handlers (declaring Queue/Topic objects on first use)."""

@@ -25,9 +25,22 @@ __all__ = ["Handler", "HandlerError", "Queue", "Service", "Topic"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a handler may run before it is cancelled and retried (``Service(timeout=...)``)."""
+
 
 class HandlerError(TypeError):
     """A handler or service is declared wrongly; the message names it and says what to change."""
+
+
+def _seconds(value: timedelta | float | None, where: str) -> float | None:
+    """A timeout in seconds (None or math.inf: no limit); a non-positive one is a declaration error."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if seconds <= 0:
+        raise HandlerError(f"{where}: timeout must be positive (or None for no limit), got {value!r}")
+    return None if seconds == float("inf") else seconds
 
 
 def _ms(value: timedelta | float | None) -> int | None:
@@ -84,6 +97,7 @@ class Handler:
     retry: RetryPolicy
     start: Start
     inbox: bool
+    timeout: float | None = DEFAULT_TIMEOUT  # seconds; None: no limit
 
     @property
     def spec(self) -> DestinationSpec:
@@ -129,16 +143,27 @@ class Service:
     """A named service: a consumer group whose instances share its handlers' messages.
 
     ``retry`` is the default policy of its handlers; ``inbox`` (on by default) drops duplicate
-    deliveries of a message the service already processed.
+    deliveries of a message the service already processed; ``timeout`` (seconds or timedelta,
+    default 300, None for no limit) is how long a handler may run before it is cancelled and the
+    attempt counts as failed (:class:`~framework.retry.HandlerTimeout`), so a hung handler cannot
+    hold its lane forever.
     """
 
-    def __init__(self, name: str, *, retry: RetryPolicy | None = None, inbox: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        retry: RetryPolicy | None = None,
+        inbox: bool = True,
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+    ) -> None:
         try:
             self.name = validate_name("service", name)
         except Exception as exc:
             raise HandlerError(str(exc)) from None
         self.retry = retry or DEFAULT_RETRY
         self.inbox = inbox
+        self.timeout = _seconds(timeout, f"service {self.name!r}")
         self.handlers: list[Handler] = []
 
     def __repr__(self) -> str:
@@ -151,12 +176,16 @@ class Service:
         retry: RetryPolicy | None = None,
         key: Callable[[Any], str] | None = None,
         inbox: bool | None = None,
+        timeout: timedelta | float | None = None,
     ) -> Callable[[F], F]:
-        """Declare the handler of the commands sent to ``queue``."""
+        """Declare the handler of the commands sent to ``queue``.
+
+        ``retry``, ``inbox`` and ``timeout`` default to the service's (``timeout=math.inf``: no limit).
+        """
         dest = queue if isinstance(queue, Queue) else Queue(queue)
         if isinstance(queue, Topic):
             raise HandlerError(f"{self.name}: {queue.name!r} is a Topic; use @service.event for topics")
-        return self._register(dest, retry, key, "earliest", inbox)
+        return self._register(dest, retry, key, "earliest", inbox, timeout)
 
     def event(
         self,
@@ -166,19 +195,21 @@ class Service:
         key: Callable[[Any], str] | None = None,
         start: Start = "earliest",
         inbox: bool | None = None,
+        timeout: timedelta | float | None = None,
     ) -> Callable[[F], F]:
         """Declare a handler of the events published to ``topic``.
 
         ``key`` computes the ordering key from the payload (default: the message's key); messages
         with one key run one at a time, in order. ``start`` applies when this service first
         subscribes: ``earliest`` processes the topic's retained history, ``latest`` only new events.
+        ``retry``, ``inbox`` and ``timeout`` default to the service's (``timeout=math.inf``: no limit).
         """
         if isinstance(topic, Queue):
             raise HandlerError(f"{self.name}: {topic.name!r} is a Queue; use @service.command for queues")
         if start not in ("earliest", "latest"):
             raise HandlerError(f"{self.name}: start must be 'earliest' or 'latest', not {start!r}")
         dest = topic if isinstance(topic, Topic) else Topic(topic)
-        return self._register(dest, retry, key, start, inbox)
+        return self._register(dest, retry, key, start, inbox, timeout)
 
     def _register(
         self,
@@ -187,11 +218,13 @@ class Service:
         key: Callable[[Any], str] | None,
         start: Start,
         inbox: bool | None,
+        timeout: timedelta | float | None,
     ) -> Callable[[F], F]:
         try:
             dest.spec()
         except Exception as exc:
             raise HandlerError(f"{self.name}: {exc}") from None
+        seconds = self.timeout if timeout is None else _seconds(timeout, f"{self.name}: handler for {dest.name!r}")
         if key is not None and not callable(key):
             raise HandlerError(f"{self.name}: key= must be a function of the payload, got {key!r}")
 
@@ -223,6 +256,7 @@ class Service:
                     retry=retry or self.retry,
                     start=start,
                     inbox=self.inbox if inbox is None else inbox,
+                    timeout=seconds,
                 )
             )
             return fn

@@ -4,7 +4,8 @@
     spark = spark_bridge.spark_session()            # or spark_bridge.register(existing_session)
     df = spark.readStream.format("eventlog").option("topics", "orders.placed").load()
 
-``spark_bridge`` builds on ``broker`` only (never on the service runtime). See ``spark_bridge/README.md``.
+``spark_bridge`` builds on ``broker`` only (never on the service runtime). See the "Spark bridge"
+section of the project's ``README.md``.
 """
 
 from spark_bridge.export import ExportJob, run_export, start_export

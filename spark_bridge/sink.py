@@ -1,9 +1,18 @@
 """The ``eventlog`` sink: rows a Spark query computes, published as events, once per row.
 
-Each row becomes one event on its topic. Its id is derived (:func:`broker.ids.derive_id`) from
-the query and micro-batch and the row's place in it, or from the ``idColumn`` value when given, and
-it is published through ``publish_once.lua`` with that id as the idempotency key. A micro-batch
-that Spark replays after a crash therefore re-publishes the same ids, and the server drops them.
+Each row becomes one event on its topic. Its id is derived (:func:`broker.ids.derive_id`) and it
+is published through ``publish_once.lua`` with that id as the idempotency key:
+
+* with option ``idColumn`` (required for batch writes), from that column's value, namespaced by
+  option ``sinkId`` (default ``eventlog:<topic>``): writing the same values again publishes
+  nothing new, and new values are always published, whichever run writes them;
+* otherwise (streaming only), from the query id (kept in the checkpoint), the micro-batch id and
+  the row's task partition and index: a micro-batch that Spark replays after a crash re-publishes
+  the same ids, and the server drops them. A new checkpoint is a new query id, hence new ids.
+
+Nothing is dropped silently: each writer's ``commit()`` (on the driver) logs, on logger
+``spark_bridge``, how many rows were published and how many were dropped as duplicates; a batch
+write that hit duplicates logs a warning.
 
 Columns read from each row (all optional except as noted)::
 
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from decimal import Decimal
@@ -58,6 +68,8 @@ _SINK_OPTIONS = (
 )
 _FLUSH = 500  # rows per pipeline round trip
 
+log = logging.getLogger("spark_bridge")
+
 
 @dataclasses.dataclass(frozen=True)
 class SinkSettings:
@@ -77,7 +89,7 @@ class SinkSettings:
 
 @dataclasses.dataclass
 class SinkCommit(WriterCommitMessage):
-    """What one task published: new events, and replayed rows the server dropped as duplicates."""
+    """What one task published: new events, and rows the server dropped as duplicates (ids seen in the window)."""
 
     published: int
     duplicates: int
@@ -110,10 +122,16 @@ def parse_sink_options(
     id_column = merged.get("idcolumn")
     if id_column and id_column not in columns:
         raise ConfigurationError(f"option idColumn={id_column!r}: no such column; columns: {', '.join(columns)}")
-    if not streaming and not (id_column or merged.get("sinkid")):
+    if not streaming and not id_column:
         raise ConfigurationError(
-            "a batch write to the eventlog sink needs option idColumn (a column identifying each row) or sinkId "
-            "(a stable name for this job), so that a retried task does not publish its rows twice"
+            "a batch write to the eventlog sink needs option idColumn, a column identifying each row (a business "
+            "id, or a hash of the row's content such as sha2(to_json(struct(*)), 256)): event ids derive from it, "
+            "so that writing the same rows again publishes nothing new and new rows are never dropped"
+        )
+    if merged.get("sinkid") and not id_column:
+        raise ConfigurationError(
+            "option sinkId only namespaces the ids derived from idColumn; without idColumn a streaming query's "
+            "ids derive from its query id (kept in the checkpoint): set idColumn or remove sinkId"
         )
     url = merged.get("url") or os.environ.get("REDIS_URL")
     if not url:
@@ -194,7 +212,10 @@ class _Publisher:
         else:
             body = orjson.dumps({k: _jsonable(v) for k, v in values.items() if k not in _RESERVED})
         if self.s.id_column is not None:
-            parent, salt = self.s.sink_id or f"eventlog:{topic}", str(values[self.s.id_column])
+            row_id = values[self.s.id_column]
+            if row_id is None:  # str(None) would give every such row the same id, and drop all but one
+                raise ValueError(f"a row's idColumn {self.s.id_column!r} is null; every row needs an id: {row!r}")
+            parent, salt = self.s.sink_id or f"eventlog:{topic}", str(row_id)
         event_id = derive_id(parent, salt)
         headers = {str(k): str(v) for k, v in (values.get("headers") or {}).items()}
         headers[IDEMPOTENCY_KEY] = event_id
@@ -241,8 +262,13 @@ class _Publisher:
         return SinkCommit(published=self.published, duplicates=self.duplicates)
 
 
+def _totals(messages: list[WriterCommitMessage | None]) -> tuple[int, int]:
+    commits = [m for m in messages if isinstance(m, SinkCommit)]
+    return sum(m.published for m in commits), sum(m.duplicates for m in commits)
+
+
 class EventStreamWriter(DataSourceStreamWriter):
-    """Streaming sink: ids derive from (query id, batch id, partition, row), or from ``idColumn``."""
+    """Streaming sink: ids derive from ``idColumn`` (and ``sinkId``), else from (query id, batch id, partition, row)."""
 
     def __init__(self, settings: SinkSettings) -> None:
         self.settings = settings
@@ -251,19 +277,32 @@ class EventStreamWriter(DataSourceStreamWriter):
         """Publish this task's rows; rows of a replayed batch get the same ids and are dropped as duplicates."""
         ctx = TaskContext.get()
         assert ctx is not None
-        query = self.settings.sink_id or ctx.getLocalProperty("sql.streaming.queryId") or "query"
-        parent = f"{query}/{ctx.getLocalProperty('streaming.sql.batchId')}"
-        return _Publisher(self.settings).run(iterator, parent, ctx.partitionId())
+        query, batch = ctx.getLocalProperty("sql.streaming.queryId"), ctx.getLocalProperty("streaming.sql.batchId")
+        if self.settings.id_column is None and not (query and batch):
+            raise RuntimeError(f"the eventlog sink found no streaming query id ({query!r}) or batch id ({batch!r})")
+        return _Publisher(self.settings).run(iterator, f"{query}/{batch}", ctx.partitionId())
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        """Nothing left to do: each task's events are already on their topics."""
+        """Log what the batch published: its events are already on their topics."""
+        published, duplicates = _totals(messages)
+        if duplicates:
+            log.info(
+                "eventlog sink, micro-batch %d: published %d event(s); %d row(s) dropped as duplicates (their ids "
+                "were published before within dedupWindowMs: a replayed micro-batch%s)",
+                batchId,
+                published,
+                duplicates,
+                ", or idColumn values written again" if self.settings.id_column else "",
+            )
+        else:
+            log.info("eventlog sink, micro-batch %d: published %d event(s)", batchId, published)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Published events stay; Spark replays the batch and the replay's copies are dropped."""
 
 
 class EventBatchWriter(DataSourceWriter):
-    """Batch sink: ids derive from ``idColumn``, or from (``sinkId``, partition, row)."""
+    """Batch sink: ids derive from ``idColumn`` (required), namespaced by ``sinkId``."""
 
     def __init__(self, settings: SinkSettings) -> None:
         self.settings = settings
@@ -272,7 +311,19 @@ class EventBatchWriter(DataSourceWriter):
         """Publish this task's rows; a retried task re-publishes the same ids, which are dropped."""
         ctx = TaskContext.get()
         assert ctx is not None
-        return _Publisher(self.settings).run(iterator, f"{self.settings.sink_id}", ctx.partitionId())
+        return _Publisher(self.settings).run(iterator, "", ctx.partitionId())  # ids come from idColumn only
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        """Nothing left to do: the events are on their topics."""
+        """Log what the write published; warn when rows were dropped as duplicates."""
+        published, duplicates = _totals(messages)
+        if duplicates:
+            log.warning(
+                "eventlog sink: published %d event(s); %d row(s) NOT published: their ids were published before "
+                "within dedupWindowMs (the same idColumn %r values written again, by an earlier write, a retried "
+                "task, or twice in this one)",
+                published,
+                duplicates,
+                self.settings.id_column,
+            )
+        else:
+            log.info("eventlog sink: published %d event(s)", published)

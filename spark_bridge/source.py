@@ -53,7 +53,7 @@ def _url(opts: ReadOptions, defaults: Mapping[str, str]) -> str:
 
 
 class EventLogSource(DataSource):
-    """Reads topics (batch and streaming) and writes rows back as events; see ``spark_bridge/README.md``."""
+    """Reads topics (batch and streaming) and writes rows back as events; see the README's "Spark bridge" section."""
 
     defaults: ClassVar[dict[str, str]] = {}  # url and namespace given to spark_bridge.register()
 

@@ -9,7 +9,7 @@ import anyio
 import orjson
 import pytest
 
-from broker import ConfigurationError, DestinationSpec, Envelope, RedisBroker, now_ms
+from broker import ConfigurationError, DestinationSpec, EffectsFailed, Envelope, RedisBroker, now_ms
 
 pytestmark = pytest.mark.anyio
 
@@ -258,3 +258,123 @@ async def test_a_mixed_batch_keeps_its_order_per_stream(broker: RedisBroker) -> 
     ids = await broker.publish(batch)
     assert all(ids) and ids == sorted(ids, key=lambda i: tuple(int(x) for x in i.split("-")))  # type: ignore[union-attr]
     assert numbers(await broker.read(view, "c", 10, 10)) == [0, 1, 2, 3, 4, 5]
+
+
+async def test_idempotency_key_without_a_message_key_is_checked_in_one_partition(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("orders.placed", "event", partitions=4))
+    views = await broker.subscribe(spec, "billing")
+    repeats = [event("orders.placed", i) for i in range(8)]  # no message key: each has its own random id
+    for env in repeats:
+        env.headers["idempotency-key"] = "POST /orders 42"
+    ids = [(await broker.publish([env]))[0] for env in repeats[:4]]  # one call each
+    ids += await broker.publish(repeats[4:])  # and in one batch
+    assert ids[0] is not None and ids[1:] == [None] * 7
+    assert sum([await broker.redis.xlen(v.stream) for v in views]) == 1
+    keyed = event("orders.placed", 9, key="order-42")  # a message key still decides the partition
+    keyed.headers["idempotency-key"] = "POST /orders 43"
+    [entry] = await broker.publish([keyed])
+    by_key = broker.keyspace.partition("orders.placed", spec.partition_for("order-42", keyed.id)).stream
+    assert len(await broker.redis.xrange(by_key, entry, entry)) == 1
+
+
+async def test_idempotency_key_expires_with_its_window_and_expired_keys_are_removed(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+    [view] = await broker.subscribe(spec, "billing")
+    published = broker.keyspace.partition("billing.refund", 0).published
+    window = 400  # ms: short, with room for a slow machine between the first publishes
+
+    def once(n: int, idem: str) -> Envelope:
+        env = command("billing.refund", n)
+        env.headers["idempotency-key"] = idem
+        return env
+
+    before = now_ms()
+    assert (await broker.publish([once(1, "a"), once(2, "b")], dedup_window_ms=window))[0] is not None
+    expiry = await broker.redis.zscore(published, "a")
+    assert before + window <= expiry <= now_ms() + window  # the score is the key's expiry
+    assert await broker.redis.pttl(published) > 0  # the zset goes away by itself once every key expired
+    assert await broker.publish([once(3, "a")], dedup_window_ms=window) == [None]  # inside the window
+    assert await broker.publish([once(4, "a")], dedup_window_ms=60_000) == [None]  # its own window counts
+    while now_ms() <= expiry:
+        await anyio.sleep(0.05)
+    assert (await broker.publish([once(5, "a")], dedup_window_ms=window))[0] is not None  # expired: stored again
+    assert await broker.redis.zscore(published, "b") is None  # expired records go on the next keyed publish
+    assert await broker.redis.zcard(published) == 1
+    assert numbers(await broker.read(view, "c", 10, 10)) == [1, 2, 5]
+    expiry = await broker.redis.zscore(published, "a")
+    while now_ms() <= expiry:
+        await anyio.sleep(0.05)
+    await broker.trim(spec, 0, now_ms())  # and on the retention job's runs
+    assert await broker.redis.zcard(published) == 0
+
+
+async def effects_fixture(broker: RedisBroker, namespace: str) -> tuple:
+    spec = await broker.declare(DestinationSpec("wallet.credit", "command"))
+    [view] = await broker.subscribe(spec, "wallet")
+    await broker.publish([command("wallet.credit", 100)])
+    [d] = await broker.read(view, "a", 10, 10)
+    assert await broker.inbox_claim(view, [d], 60_000) == [0]  # leased to us
+    balances, wrong = f"{namespace}:{{x}}:balances", f"{namespace}:{{x}}:not-a-hash"
+    await broker.redis.set(wrong, "a string")
+    return view, d, balances, wrong
+
+
+async def test_effects_failing_half_way_are_dead_lettered_once_and_never_applied_again(
+    broker: RedisBroker, namespace: str
+) -> None:
+    view, d, balances, wrong = await effects_fixture(broker, namespace)
+    commands = [("HINCRBY", balances, "a", 100), ("HSET", wrong, "f", "v"), ("HINCRBY", balances, "b", 1)]
+    outgoing = [event("wallet.credited", 1)]
+    reason = {"dlq-handler": "wallet.credit", "dlq-attempts": "1", "dlq-reason": "overwritten by the script"}
+    with pytest.raises(EffectsFailed) as failed:
+        await broker.commit_effects(d, commands, [balances, wrong], outgoing, reason=reason)
+    assert failed.value.applied == 1 and failed.value.error.startswith("WRONGTYPE")
+    assert await broker.redis.hgetall(balances) == {b"a": b"100"}  # the first write stays: no rollback
+    [(dlq_id, fields)] = await broker.dead_letter_entries(view)
+    assert failed.value.dlq_entry == dlq_id
+    assert fields[b"id"] == d.envelope.id.encode() and fields[b"body"] == d.fields[b"body"]
+    assert fields[b"dlq-handler"] == b"wallet.credit" and fields[b"dlq-attempts"] == b"1"
+    why = fields[b"dlq-reason"].decode()
+    assert why.startswith("effects partially applied: Redis command 2 of 3 (HSET) failed: WRONGTYPE")
+    assert "the 1 command(s) before it were applied and are not rolled back" in why
+    assert fields[b"dlq-error-type"] == b"redis.exceptions.ResponseError"
+    assert fields[b"dlq-error-message"].startswith(b"WRONGTYPE")
+    assert list(fields).count(b"dlq-reason") == 1
+    assert (await broker.stream_groups(view.stream))[0]["pending"] == 0  # acked
+    assert await broker.redis.xlen(view.stream) == 0  # and deleted (a queue)
+    assert await broker.redis.zscore(view.keys.inbox, d.message_id) is None  # lease released, nothing final
+    assert await broker.redis.hexists(view.keys.attempts, d.message_id) == 0
+    credited = await broker.get_destination("wallet.credited")
+    assert credited is None or await broker.redis.xlen(broker.keyspace.partition("wallet.credited", 0).stream) == 0
+
+    # the same commit again (a retry, a second consumer): the entry is settled, nothing is applied
+    assert await broker.commit_effects(d, commands[:1], [balances], reason=reason) is False
+    assert await broker.redis.hgetall(balances) == {b"a": b"100"}
+    assert len(await broker.dead_letter_entries(view)) == 1
+
+    # a redrive runs the handler again (the inbox did not record the message as processed)
+    assert await broker.redrive(view, dlq_id)
+    [again] = await broker.read(view, "a", 10, 10)
+    assert again.message_id == d.message_id and await broker.inbox_claim(view, [again], 60_000) == [0]
+
+
+async def test_effects_failing_at_the_first_command_are_dead_lettered_with_nothing_applied(
+    broker: RedisBroker, namespace: str
+) -> None:
+    view, d, balances, wrong = await effects_fixture(broker, namespace)
+    with pytest.raises(EffectsFailed) as failed:
+        await broker.commit_effects(d, [("HSET", wrong, "f", "v"), ("HINCRBY", balances, "a", 1)], [balances, wrong])
+    assert failed.value.applied == 0 and await broker.redis.exists(balances) == 0
+    [(_, fields)] = await broker.dead_letter_entries(view)
+    assert fields[b"dlq-reason"].startswith(b"effects not applied: Redis command 1 of 2 (HSET) failed: WRONGTYPE")
+    assert (await broker.stream_groups(view.stream))[0]["pending"] == 0
+    assert await broker.redis.zscore(view.keys.inbox, d.message_id) is None
+
+
+async def test_effects_of_a_deleted_entry_are_dead_lettered_as_empty(broker: RedisBroker, namespace: str) -> None:
+    view, d, balances, wrong = await effects_fixture(broker, namespace)
+    await broker.redis.xdel(view.stream, d.entry_id)  # gone while pending
+    with pytest.raises(EffectsFailed):
+        await broker.commit_effects(d, [("HINCRBY", balances, "a", 1), ("LPUSH", wrong, "x")], [balances, wrong])
+    [(_, fields)] = await broker.dead_letter_entries(view)
+    assert fields[b"dlq-empty"] == b"1" and b"(LPUSH)" in fields[b"dlq-reason"]

@@ -174,7 +174,7 @@ def test_a_message_that_crashes_its_process_every_time_ends_in_the_dlq(
     assert len(dead) == 1, [(f[b"id"], f[b"dlq-reason"]) for _, f in dead]
     [(_, fields)] = dead
     assert fields[b"id"].decode() == crash_id
-    assert b"started 3 times (max_attempts 3) without completing" in fields[b"dlq-reason"]
+    assert b"delivered 3 times (max_attempts 3) without completing" in fields[b"dlq-reason"]
     assert sum(g["pending"] for p in (0, 1) for g in r.xinfo_groups(f"{namespace}:{{jobs:{p}}}")) == 0
 
 
@@ -244,3 +244,55 @@ def test_exactly_once_redis_effects_under_repeated_worker_kills(
     balances = {k.decode(): int(v) for k, v in r.hgetall(f"{namespace}:test:balance").items()}
     assert sum(balances.values()) == total
     assert kills == 8
+
+
+def test_finished_messages_are_acked_at_once_so_a_kill_reruns_none_of_them(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    total = 16
+    with SyncClient(redis_url, namespace=namespace) as client:
+        client.send_many(JOBS, [{"n": str(i)} for i in range(total)], key=lambda c: c["n"])
+    # one lane, one fetched batch per partition: every message of a partition runs in one sub-batch
+    opts = ("--concurrency", "1", "--prefetch", "20", "--visibility-timeout", "2")
+    w = workers.start("faultapp:worker", "w", *opts, JOB_SLEEP="0.25")
+    wait_for(lambda: r.hlen(f"{namespace}:test:done") >= 4, 30, "a few jobs to finish")
+    w.send_signal(signal.SIGKILL)  # mid sub-batch: the finished ones must already be acknowledged
+    w.wait()
+    again = workers.start("faultapp:worker", "w", *opts, JOB_SLEEP="0.01")
+    wait_for(lambda: r.hlen(f"{namespace}:test:done") == total, 60, "every job")
+    counts = {k.decode(): int(v) for k, v in r.hgetall(f"{namespace}:test:done").items()}
+    duplicated = sum(c - 1 for c in counts.values())
+    assert len(counts) == total
+    assert duplicated <= 1, counts  # at most a kill between a handler's end and its ack (milliseconds)
+    again.send_signal(signal.SIGTERM)
+    assert again.wait(timeout=30) == 0
+    assert not r.exists(f"{namespace}:{{jobs:0}}:g:worker:dlq", f"{namespace}:{{jobs:1}}:g:worker:dlq")
+
+
+def test_sigterm_keeps_its_bound_with_a_stuck_sync_handler_and_does_not_hand_its_message_over(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    with SyncClient(redis_url, namespace=namespace) as client:
+        client.send(JOBS, {"n": "slow"}, key="k")
+    stream = f"{namespace}:{{jobs:{JOBS.spec().partition_for('k', '')}}}"
+    opts = ("--shutdown-timeout", "1", "--visibility-timeout", "60")
+    w = workers.start("faultapp:worker", "w", *opts, JOB_SLEEP="30")
+
+    def running() -> bool:
+        try:
+            return bool(r.xpending(stream, "worker")["pending"] == 1)
+        except redis.ResponseError:  # the worker has not created its group yet
+            return False
+
+    wait_for(running, 30, "the job to be running")
+    time.sleep(0.3)
+    started = time.monotonic()
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(timeout=20) == 0
+    assert time.monotonic() - started < 6  # the 30 s thread was abandoned, not waited for
+    assert "abandoned" in workers.log("w")
+    [entry] = r.xpending_range(stream, "worker", "-", "+", 10)
+    assert entry["time_since_delivered"] < 60_000  # still pending (not lost) and not handed over at once
+    assert not r.hlen(f"{namespace}:test:done")

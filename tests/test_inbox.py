@@ -7,7 +7,7 @@ import attrs
 import pytest
 
 from broker import derive_id, now_ms
-from framework import Context, Queue, RetryPolicy, Service
+from framework import Context, Queue, RetryPolicy, Service, Topic
 from framework.testing import TEST_SETTINGS, ServiceHarness
 
 pytestmark = pytest.mark.anyio
@@ -155,3 +155,45 @@ async def test_producer_idempotency_key_publishes_once(redis_url: str, namespace
         await harness.run_until_idle()
         assert len(await harness.messages("q")) == 0
     assert runs == 1
+
+
+async def test_producer_idempotency_key_publishes_once_to_a_partitioned_topic(redis_url: str, namespace: str) -> None:
+    runs = 0
+    svc = Service("s", inbox=False)
+
+    @svc.event(Topic("orders.placed", partitions=4))
+    async def h(evt: dict) -> None:
+        nonlocal runs
+        runs += 1
+
+    async with ServiceHarness([svc], url=redis_url, namespace=namespace) as harness:
+        for _ in range(8):  # no message key: each publish has its own id, the key picks the partition
+            await harness.client.publish(Topic("orders.placed", partitions=4), {"order": 9}, idempotency_key="o-9")
+        await harness.run_until_idle()
+        assert len(await harness.messages("orders.placed")) == 1
+    assert runs == 1
+
+
+async def test_redis_effects_failing_half_way_are_applied_once_and_dead_lettered(
+    redis_url: str, namespace: str
+) -> None:
+    svc = Service("wallet", retry=RetryPolicy(max_attempts=3, immediate=2, backoff=0.05))
+    balances, audit = f"{namespace}:balances", f"{namespace}:audit"
+
+    @svc.command("wallet.deposit")
+    async def deposit(cmd: dict, ctx: Context) -> None:
+        tx = ctx.redis_transaction()
+        tx.hincrby(balances, cmd["account"], cmd["amount"])
+        tx.hset(audit, cmd["account"], "deposit")  # audit holds a string: WRONGTYPE
+        ctx.publish("wallet.deposited", {"account": cmd["account"]})
+
+    async with ServiceHarness([svc], url=redis_url, namespace=namespace) as h:
+        await h.broker.redis.set(audit, "not a hash")
+        await h.client.send("wallet.deposit", {"account": "a", "amount": 100})
+        await h.run_until_idle()
+        assert await h.broker.redis.hget(balances, "a") == b"100"  # once: no retry applies it again
+        assert await h.messages("wallet.deposited") == []
+        view = h.broker.group_partition(await h.broker.get_destination("wallet.deposit"), 0, "wallet")
+        [(_, fields)] = await h.broker.dead_letter_entries(view)
+        assert fields[b"dlq-reason"].startswith(b"effects partially applied: Redis command 2 of 2 (HSET)")
+        assert (await h.broker.stream_groups(view.stream))[0]["pending"] == 0

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import Counter, defaultdict
+from datetime import timedelta
 
 import anyio
 import attrs
 import pytest
 
-from framework import Context, RetryAfter, RetryPolicy, Runtime, Service, Topic
+from framework import Context, HandlerError, RetryAfter, RetryPolicy, Runtime, Service, Topic
 from framework.dlq import DeadLetters
 from framework.testing import TEST_SETTINGS, ServiceHarness
 
@@ -307,3 +309,79 @@ async def test_a_removed_handler_with_a_live_subscription_is_a_start_up_error(re
         await h.broker.unsubscribe(spec, "billing")
         h.services = [new]
         await h.start()
+
+
+async def test_a_hung_handler_is_cancelled_at_its_timeout_and_does_not_block_its_lane(
+    redis_url: str, namespace: str
+) -> None:
+    done: list[int] = []
+    runs: list[int] = []
+    svc = Service("s", retry=RetryPolicy(max_attempts=2, immediate=0, backoff=0.05, jitter=False), timeout=0.5)
+
+    @svc.event("t")
+    async def h(e: dict, ctx: Context) -> None:
+        if e["n"] == 0:
+            runs.append(ctx.attempt)
+            await anyio.sleep(3600)  # hangs: only the timeout gets the lane back
+        done.append(e["n"])
+
+    settings = attrs.evolve(TEST_SETTINGS, concurrency=1)  # one lane: everything queues behind the hung run
+    async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as harness:
+        await harness.client.publish_many("t", [{"n": i} for i in range(30)])
+        with anyio.fail_after(10):
+            while len(done) < 29:
+                await anyio.sleep(0.02)
+        await harness.run_until_idle(timeout=15)
+        [dead] = await DeadLetters(harness.broker).list()
+    assert runs == [1, 2]  # cancelled twice, then dead-lettered: max_attempts holds for hangs too
+    assert dead.error_type == "framework.retry.HandlerTimeout"
+    assert "ran longer than its 0.5 s timeout" in dead.reason and dead.attempts == 2
+
+
+async def test_sync_handlers_time_out_too(redis_url: str, namespace: str) -> None:
+    svc = Service("s", retry=RetryPolicy(max_attempts=1), timeout=0.3)
+
+    @svc.command("q")
+    def h(cmd: dict) -> None:
+        time.sleep(1.5)
+
+    async with ServiceHarness([svc], url=redis_url, namespace=namespace) as harness:
+        await harness.client.send("q", {})
+        started = time.monotonic()
+        with anyio.fail_after(10):
+            while not await DeadLetters(harness.broker).list():
+                await anyio.sleep(0.05)
+        assert time.monotonic() - started < 1.4  # settled before the thread finished
+        [dead] = await DeadLetters(harness.broker).list()
+    assert "thread cannot be stopped" in dead.reason
+
+
+def test_timeouts_are_declared_per_service_and_handler() -> None:
+    svc = Service("s", timeout=timedelta(seconds=20))
+
+    @svc.command("a")
+    async def a(cmd: dict) -> None: ...
+
+    @svc.command("b", timeout=math.inf)
+    async def b(cmd: dict) -> None: ...
+
+    assert [h.timeout for h in svc.handlers] == [20.0, None]
+    assert Service("d").timeout == 300.0
+    with pytest.raises(HandlerError, match="timeout must be positive"):
+        Service("e", timeout=0)
+
+
+async def test_in_place_retries_report_when_the_first_attempt_failed(redis_url: str, namespace: str) -> None:
+    svc = Service("s", retry=RetryPolicy(max_attempts=3, immediate=0, backoff=0.4, jitter=False, in_place=True))
+
+    @svc.command("q")
+    async def h(cmd: dict) -> None:
+        raise RuntimeError("still broken")
+
+    async with ServiceHarness([svc], url=redis_url, namespace=namespace) as harness:
+        await harness.client.send("q", {})
+        await harness.run_until_idle()
+        [dead] = await DeadLetters(harness.broker).list()
+    assert dead.attempts == 3
+    assert dead.first_failed_at is not None and dead.dead_at is not None
+    assert (dead.dead_at - dead.first_failed_at).total_seconds() >= 0.8  # two in-place waits of 0.4 s

@@ -4,24 +4,87 @@
 -- KEYS[1]  stream the entry was read from
 -- KEYS[2]  the group's inbox zset (a score >= 0 means processed; see inbox_claim.lua)
 -- KEYS[3]  the group's attempts hash
--- KEYS[4 ..]  the keys the writes and outgoing messages touch (declared for Cluster routing)
+-- KEYS[4]  the group's DLQ stream (written only when the writes fail half-way)
+-- KEYS[5 ..]  the keys the writes and outgoing messages touch (declared for Cluster routing)
 -- ARGV[1]  group
 -- ARGV[2]  "1" to XDEL the entry after XACK
 -- ARGV[3]  now, Unix ms
 -- ARGV[4]  entry id
 -- ARGV[5]  message id
--- ARGV[6]  number of commands that follow; each is: argument count c, then c arguments
---          (outgoing messages are XADD commands among them)
--- Returns 1 when the effects were applied, 0 when the message was a duplicate.
+-- ARGV[6]  n: number of the handler's Redis commands
+-- ARGV[7]  m: number of outgoing messages (XADD commands run after the handler's commands)
+-- ARGV[8]  r: number of field/value pairs of the dead-letter reason that follow
+-- ARGV[9 .. 8 + 2r]  the reason pairs (dlq-handler, dlq-attempts, ...)
+-- ARGV[9 + 2r ..]  n + m commands; each is: argument count c, then c arguments
+--
+-- Returns 1 when the effects were applied; 0 when the message was a duplicate (only acked) or
+-- the entry is no longer pending for the group (settled already: nothing is done, so a commit
+-- repeated after a failure below applies nothing again).
+--
+-- Redis has no rollback, so the commands run with pcall and stop at the first error. The commands
+-- before it stay applied (a retry would apply them twice), so this same call dead-letters the
+-- message (its fields, or dlq-empty = 1 if the entry is gone, plus the reason pairs, dlq-reason,
+-- dlq-error-type and dlq-error-message), acks it, releases its inbox lease (a redrive runs the
+-- handler again) and drops its attempts counter; the outgoing messages are not sent (unless one of
+-- them failed: those before it were). Returns {DLQ entry id, error, commands applied}.
+-- A failure at the first command is dead-lettered too: errors a retry could outlive (OOM,
+-- READONLY, NOREPLICAS) refuse the first write and the DLQ write alike, so the script raises
+-- having written nothing, and the entry stays pending.
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[4], 1)
+if #pending == 0 then return 0 end
 local s = redis.call('ZSCORE', KEYS[2], ARGV[5])
 local done = s and tonumber(s) >= 0
 if not done then
-  local pos = 7
-  for _ = 1, tonumber(ARGV[6]) do
+  local n, m, r = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+  local pos = 9 + 2 * r
+  for i = 1, n + m do
     local c = tonumber(ARGV[pos])
     local cmd = {}
     for j = 1, c do cmd[j] = ARGV[pos + j] end
-    redis.call(unpack(cmd))
+    local res = redis.pcall(unpack(cmd))
+    if type(res) == 'table' and res.err then
+      local err = res.err
+      local what
+      if i <= n then
+        what = string.format('Redis command %d of %d (%s)', i, n, string.upper(cmd[1]))
+      else
+        what = string.format('outgoing message %d of %d (XADD to %s)', i - n, m, cmd[2])
+      end
+      local reason
+      if i == 1 then
+        reason = 'effects not applied: ' .. what .. ' failed: ' .. err .. '; nothing was applied'
+      else
+        local applied
+        if i <= n then
+          applied = string.format('the %d command(s) before it were applied', i - 1)
+        else
+          applied = string.format('the %d Redis command(s) and %d outgoing message(s) before it were applied',
+            n, i - n - 1)
+        end
+        reason = 'effects partially applied: ' .. what .. ' failed: ' .. err .. '; ' .. applied ..
+          ' and are not rolled back (Redis has no rollback)'
+      end
+      local fields = {}
+      local entry = redis.call('XRANGE', KEYS[1], ARGV[4], ARGV[4])
+      if #entry > 0 then
+        for _, v in ipairs(entry[1][2]) do fields[#fields + 1] = v end
+      else
+        fields = {'dlq-empty', '1'}
+      end
+      for k = 9, 8 + 2 * r do fields[#fields + 1] = ARGV[k] end
+      fields[#fields + 1] = 'dlq-reason'
+      fields[#fields + 1] = reason
+      fields[#fields + 1] = 'dlq-error-type'
+      fields[#fields + 1] = 'redis.exceptions.ResponseError'
+      fields[#fields + 1] = 'dlq-error-message'
+      fields[#fields + 1] = err
+      local dead = redis.call('XADD', KEYS[4], '*', unpack(fields))
+      redis.call('XACK', KEYS[1], ARGV[1], ARGV[4])
+      if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], ARGV[4]) end
+      if s and tonumber(s) < 0 then redis.call('ZREM', KEYS[2], ARGV[5]) end
+      redis.call('HDEL', KEYS[3], ARGV[5])
+      return {dead, err, i - 1}
+    end
     pos = pos + c + 1
   end
   redis.call('ZADD', KEYS[2], ARGV[3], ARGV[5])

@@ -11,11 +11,13 @@ import redis
 from pyspark.sql import functions as F
 
 from broker.codec import decode_fields
+from broker.errors import ConfigurationError
 from broker.headers import IDEMPOTENCY_KEY
 from broker.ids import derive_id
 from broker.keys import KeySpace
 from broker.topology import DestinationSpec
 from spark_bridge import read_events
+from spark_bridge.sink import parse_sink_options
 
 pytestmark = pytest.mark.spark
 
@@ -82,31 +84,49 @@ def test_a_replayed_micro_batch_publishes_its_events_once(
 def test_a_batch_write_keyed_by_a_column_publishes_each_row_once(
     spark: Any, publish: Any, namespace: str, sync_redis: redis.Redis
 ) -> None:
-    publish(ORDERS, 25, partitions=2)
+    sources = publish(ORDERS, 25, partitions=2)
     orders = read_events(spark, ORDERS, stream=False, namespace=namespace).select(
         "event_id",
         "key",
         F.get_json_object("payload", "$.n").cast("long").alias("n"),
         "published_at",
     )
-    for _ in range(2):  # a job run twice (or a retried task) must not publish twice
+
+    def write(rows: Any) -> None:
         (
-            orders.write.format("eventlog")
+            rows.write.format("eventlog")
             .option("topic", AUDIT)
             .option("type", "OrderAudited")
             .option("idColumn", "event_id")
+            .option("sinkId", "audit-job")
             .option("namespace", namespace)
             .mode("append")
             .save()
         )
 
+    write(orders.where("n < 10"))
+    write(orders.where("n >= 10"))  # the next run, with new rows: all published, none taken for duplicates
+    assert len(events_on(sync_redis, namespace, AUDIT)) == 25
+    write(orders)  # the same rows again (a job run twice, or a retried task): nothing new
+
     audited = events_on(sync_redis, namespace, AUDIT)
     assert len(audited) == len({e.id for e in audited}) == 25
+    assert {e.id for e in audited} == {derive_id("audit-job", e.id) for e in sources}
     body = orjson.loads(next(e.body for e in audited if e.key == "k3"))
     assert body["n"] == 3 and body["event_id"] and body["published_at"].endswith("+00:00")
     assert set(body) == {"event_id", "n", "published_at"}  # key is the envelope's, not the body's
 
-    with pytest.raises(Exception, match="needs option idColumn"):
-        orders.write.format("eventlog").option("topic", AUDIT).option("type", "X").option("namespace", namespace).mode(
-            "append"
-        ).save()
+
+def test_a_batch_write_without_an_id_column_is_refused(spark: Any, namespace: str) -> None:
+    rows = spark.createDataFrame([], "order_id string, n long")
+    for sink_id in (None, "audit-job"):  # a stable job name would give a second run the same ids: refused too
+        write = rows.write.format("eventlog").option("topic", AUDIT).option("type", "X").option("namespace", namespace)
+        if sink_id:
+            write = write.option("sinkId", sink_id)
+        with pytest.raises(Exception, match=r"needs option idColumn.*sha2\(to_json\(struct\(\*\)\), 256\)"):
+            write.mode("append").save()
+    # a streaming query's ids derive from its query id: sinkId alone would be silently ignored
+    with pytest.raises(ConfigurationError, match="sinkId only namespaces the ids derived from idColumn"):
+        parse_sink_options(
+            {"topic": AUDIT, "type": "X", "sinkId": "job"}, {"url": "redis://x"}, rows.schema, streaming=True
+        )
