@@ -1,7 +1,8 @@
 """The Broker contract: what publishing, reading, acknowledging and retention promise.
 
 Any transport must keep these promises (``tests/test_broker_conformance.py`` checks them against
-the real server); the framework relies on nothing else.
+the real server). The runtime uses the methods of :class:`Broker` and nothing else; tools (the DLQ
+commands, ``framework status``, tests) may also read the Redis keys directly.
 
 * **Publish.** ``publish`` returns once every envelope is durable on the server (as durable as the
   server's persistence makes it). Envelopes with one key go to one partition and are stored in
@@ -25,8 +26,8 @@ the real server); the framework relies on nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, Protocol
 
 import attrs
 
@@ -165,6 +166,71 @@ class Broker(Protocol):
 
     async def trim(self, spec: DestinationSpec, partition: int, now_ms: int) -> int:
         """Apply retention to one partition without dropping unacknowledged entries."""
+        ...
+
+    # -- used by the runtime beyond the core contract ---------------------------------------------
+
+    namespace: str
+    cluster: bool
+
+    def group_partition(self, spec: DestinationSpec, partition: int, group: str) -> GroupPartition:
+        """The view of ``group`` on one partition (no server call)."""
+        ...
+
+    async def list_subscriptions(self) -> list[tuple[str, str]]:
+        """Every (destination, group) pair that has subscribed, sorted."""
+        ...
+
+    async def unsubscribe(self, spec: DestinationSpec, group: str) -> None:
+        """Remove ``group`` from every partition with its retry, dead-letter and inbox state."""
+        ...
+
+    def channel(self) -> Any:
+        """A connection of one task's own for its hot path, or None (then calls use the shared pool)."""
+        ...
+
+    async def release_own_pending(
+        self, source: GroupPartition, consumer: str, idle_ms: int, *, keep: Iterable[str] = ()
+    ) -> int:
+        """Make ``consumer``'s pending entries (except ``keep``) claimable by others at once (shutdown)."""
+        ...
+
+    async def count_attempt(self, delivery: Delivery) -> int:
+        """Record that a redelivered message is about to run; return how many such runs it had."""
+        ...
+
+    async def commit_effects(
+        self,
+        delivery: Delivery,
+        commands: Sequence[Sequence[Any]],
+        keys: Sequence[str],
+        outgoing: Sequence[Envelope] = (),
+        *,
+        reason: Mapping[str, str] = {},
+    ) -> bool:
+        """Apply a handler's writes and ``outgoing``, mark the inbox and ack, atomically.
+
+        False when the message was already processed (only acked) or is no longer pending. A write
+        that fails part-way dead-letters the message in the same step and raises ``EffectsFailed``.
+        """
+        ...
+
+    async def trim_inbox(self, source: GroupPartition, older_than_ms: int) -> int:
+        """Forget processed ids recorded before ``older_than_ms`` and leases that expired."""
+        ...
+
+    async def dead_letter_entries(
+        self, view: GroupPartition, count: int | None = None
+    ) -> list[tuple[str, dict[bytes, bytes]]]:
+        """The group's dead letters on this partition, oldest first: (DLQ entry id, fields)."""
+        ...
+
+    async def redrive(self, view: GroupPartition, dlq_entry_id: str) -> str | None:
+        """Move one dead letter back to its group only, as a first attempt; None if it is gone."""
+        ...
+
+    async def purge_dead_letters(self, view: GroupPartition, dlq_entry_ids: Sequence[str]) -> int:
+        """Delete dead letters for good; return how many existed."""
         ...
 
     async def close(self) -> None:

@@ -342,6 +342,29 @@ class RedisBroker:
                 released += len(chunk)
         return released
 
+    async def prune_consumers(self, source: GroupPartition, min_idle_ms: int, *, keep: str = "") -> int:
+        """Delete consumers of the group that hold nothing and were idle ``min_idle_ms`` or longer.
+
+        Processes that died or were replaced (a new host name after a container restart) stay listed
+        in the group forever otherwise, and ``framework status`` would count them. A consumer with
+        pending entries is never deleted (its entries would be lost to claims), nor ``keep``. A
+        live consumer reading again is recreated by the server. Returns how many consumer entries
+        were deleted (a consumer is listed on the partition stream and on the redeliver stream).
+        """
+        deleted = 0
+        for stream in (source.stream, source.keys.redeliver):
+            try:
+                rows = await self.redis.xinfo_consumers(stream, source.group)
+            except ResponseError:  # no stream or group yet
+                continue
+            for row in rows:
+                info = {_text(k): v for k, v in row.items()}
+                name = _text(info["name"])
+                if name != keep and int(info["pending"]) == 0 and int(info["idle"]) >= min_idle_ms:
+                    await self.redis.xgroup_delconsumer(stream, source.group, name)
+                    deleted += 1
+        return deleted
+
     async def extend(
         self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery], *, lease_ms: int = 60_000
     ) -> set[str]:

@@ -13,7 +13,6 @@ group's retry path, or the dead-letter queue, each atomic with the ack).
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -40,6 +39,8 @@ log = get_logger("framework.consumer")
 
 Work = tuple[Delivery, Any]  # a delivery and its decoded payload
 _SETTLED: Any = object()  # a run whose effects were committed together with its ack
+_PRUNE_EVERY = 600.0  # seconds between sweeps of departed consumers
+_PRUNE_IDLE = 3600.0  # a consumer idle this long with nothing pending has gone
 
 
 @attrs.define
@@ -56,14 +57,21 @@ class ConsumerStats:
 
 
 class _Slot:
-    """What one lane is running for a consumer right now (the watchdog and shutdown read it)."""
+    """What one lane is running for a consumer right now (the watchdog and shutdown read it).
 
-    __slots__ = ("attempt", "deadline", "delivery", "scope")
+    The hot path only sets ``delivery``, ``index`` and ``attempt`` and counts ``runs``; the watchdog
+    notes when it first saw a run (``seen_run``, ``seen_at``), so no clock is read per message.
+    """
+
+    __slots__ = ("attempt", "delivery", "index", "runs", "scope", "seen_at", "seen_run")
 
     def __init__(self) -> None:
         self.delivery: Delivery | None = None  # set only while the handler itself runs
+        self.index = 0  # of the work being run, in the lane's sub-batch
         self.attempt = 0
-        self.deadline = math.inf  # monotonic time past which the watchdog cancels the run
+        self.runs = 0  # handler runs started in this slot
+        self.seen_run = -1
+        self.seen_at = 0.0
         self.scope: anyio.CancelScope | None = None
 
 
@@ -90,6 +98,7 @@ class _PartitionState:
         "capacity",
         "held",
         "in_flight",
+        "prune_at",
         "slots",
         "view",
     )
@@ -104,6 +113,7 @@ class _PartitionState:
         self.ack_channel: Any = None  # the ack flusher's dedicated connection
         self.ack_lock = anyio.Lock()  # one flush at a time (the flusher and shutdown share the channel)
         self.slots: set[_Slot] = set()  # one per lane running this partition's messages
+        self.prune_at = 0.0  # monotonic time of the next sweep of departed consumers
 
 
 class Consumer:
@@ -294,12 +304,17 @@ class Consumer:
         index = 0
         try:
             while index < len(works):
-                with anyio.CancelScope() as scope:
+                with anyio.CancelScope() as scope:  # only handler runs await inside: the watchdog's handle
                     slot.scope = scope
                     index = await self._process_from(state, works, index, slot, done)
-                if scope.cancelled_caught:  # the watchdog cut works[index] short
-                    await self._timed_out(state, works[index][0], slot)
-                    index += 1
+                if scope.cancelled_caught:
+                    d = works[slot.index][0]
+                    if slot.delivery is d:  # the watchdog cut its handler short
+                        await self._timed_out(state, d, slot)
+                    else:  # a handler swallowed the cancellation, which then hit its settling: unknown state
+                        self._forget(state, [d])  # pending: redelivered after the visibility timeout
+                    index = slot.index + 1
+                await self._settle_finished(state, done)
         except Exception as exc:  # a framework bug: unsettled works stay pending and are redelivered
             log.error("processing failed; unsettled messages will be redelivered", exc_info=exc)
             self._forget(state, [d for d, _ in works[index:]])
@@ -311,11 +326,13 @@ class Consumer:
     async def _process_from(
         self, state: _PartitionState, works: Sequence[Work], start: int, slot: _Slot, done: _Finished
     ) -> int:
-        """Run works from ``start`` on; return the index after the last (raises if cancelled)."""
+        """Run works from ``start`` on; return the index to go on from: the end, or earlier once
+        finished runs have waited ``ack_interval`` to be settled (raises if cancelled)."""
         interval = self.runtime.settings.ack_interval
         run = self._run
         for index in range(start, len(works)):
             d, payload = works[index]
+            slot.index = index
             if d.delivery_count == 1:
                 ctx = await run(state, d, payload, d.envelope.attempt, slot)  # type: ignore[union-attr]
             else:
@@ -329,7 +346,7 @@ class Consumer:
                 if ctx._duplicate:
                     done.duplicates += 1
                 if time.monotonic() - done.since >= interval:
-                    await self._settle_finished(state, done)
+                    return index + 1
         return len(works)
 
     async def _settle_finished(self, state: _PartitionState, done: _Finished) -> None:
@@ -353,15 +370,8 @@ class Consumer:
         state.ack_wakeup.set()
         self._release(state, len(deliveries))  # processed: room to fetch more while the ack is on its way
 
-    async def _call(self, fn: Any, payload: Any, ctx: Context) -> None:
-        handler = self.handler
-        if handler.is_async:
-            if handler.takes_context:
-                await fn(payload, ctx)
-            else:
-                await fn(payload)
-            return
-        args = (payload, ctx) if handler.takes_context else (payload,)
+    async def _call_sync(self, fn: Any, payload: Any, ctx: Context) -> None:
+        args = (payload, ctx) if self.handler.takes_context else (payload,)
         # A thread cannot be interrupted: on a timeout or a forced shutdown it is abandoned.
         await anyio.to_thread.run_sync(
             functools.partial(fn, *args), limiter=self.runtime.thread_limiter, abandon_on_cancel=True
@@ -375,14 +385,19 @@ class Consumer:
         handler = self.handler
         fn = handler.fn
         policy = handler.retry
-        timeout = handler.timeout
         first_failed: int | None = None
         while True:
             ctx = Context(d, handler, attempt, self.runtime.broker)
-            slot.delivery, slot.attempt = d, attempt
-            slot.deadline = time.monotonic() + timeout if timeout is not None else math.inf
+            slot.delivery = d
+            slot.attempt = attempt
+            slot.runs += 1
             try:
-                await self._call(fn, payload, ctx)
+                if not handler.is_async:
+                    await self._call_sync(fn, payload, ctx)
+                elif handler.takes_context:
+                    await fn(payload, ctx)
+                else:
+                    await fn(payload)
                 slot.delivery = None
                 if ctx._effects is not None:  # a failed commit (the broker unreachable) is a failed attempt
                     return await self._commit_effects(state, d, ctx, attempt)
@@ -393,7 +408,7 @@ class Consumer:
                 self.stats.duplicates += 1
                 ctx._duplicate = True
                 return ctx
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # sys.exit() in a handler fails its attempt, not the process
                 slot.delivery = None
                 self.stats.failed += 1
                 first_failed = first_failed or now_ms()
@@ -424,11 +439,22 @@ class Consumer:
             await self._settle_failure(state, d, slot.attempt, exc, decision, None)
 
     async def _watch(self) -> None:
-        """Cancel handler runs past their deadline (see :meth:`process`)."""
+        """Cancel handler runs past their timeout (see :meth:`process`).
+
+        A run is timed from when the watchdog first sees it, so it is cancelled between
+        ``timeout`` and ``timeout`` plus two watchdog intervals after it started.
+        """
+        timeout = self.handler.timeout
+        if timeout is None:
+            return
         now = time.monotonic()
         for state in self.states.values():
             for slot in state.slots:
-                if slot.delivery is not None and slot.deadline <= now and slot.scope is not None:
+                if slot.delivery is None or slot.scope is None:
+                    continue
+                if slot.seen_run != slot.runs:
+                    slot.seen_run, slot.seen_at = slot.runs, now
+                elif now - slot.seen_at >= timeout:
                     slot.scope.cancel()
 
     async def _commit_effects(self, state: _PartitionState, d: Delivery, ctx: Context, attempt: int) -> Any:
@@ -635,9 +661,15 @@ class Consumer:
     # -- background duties ----------------------------------------------------------------------------------
 
     async def _claim(self, state: _PartitionState) -> None:
-        if state.in_flight > self.runtime.settings.prefetch:
-            return
         settings = self.runtime.settings
+        if time.monotonic() >= state.prune_at:  # forget consumers gone for good (see prune_consumers)
+            state.prune_at = time.monotonic() + _PRUNE_EVERY
+            idle_ms = int(max(_PRUNE_IDLE, 10 * settings.visibility_timeout) * 1000)
+            pruned = await self.runtime.broker.prune_consumers(state.view, idle_ms, keep=self.runtime.consumer_name)
+            if pruned:
+                self._log.info("removed departed consumers", partition=state.view.partition, count=pruned)
+        if state.in_flight > settings.prefetch:
+            return
         deliveries = await self.runtime.broker.claim_idle(
             state.view, self.runtime.consumer_name, int(settings.visibility_timeout * 1000), settings.prefetch
         )

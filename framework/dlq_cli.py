@@ -129,6 +129,12 @@ def _unsubscribe_cmd(usage_error: type[Exception]) -> Callable[[argparse.Namespa
                 spec = await broker.get_destination(args.destination)
                 if spec is None or (args.destination, args.group) not in await broker.list_subscriptions():
                     raise usage_error(f"group {args.group!r} is not subscribed to {args.destination!r}")
+                dead = await DeadLetters(broker).count(group=args.group, destination=args.destination)
+                if dead and not args.yes:  # nothing is dropped silently, dead letters included
+                    raise usage_error(
+                        f"group {args.group!r} holds {dead} dead letter(s) for {args.destination!r}, which would be "
+                        "deleted with the subscription: redrive or purge them first (framework dlq), or pass --yes"
+                    )
                 await broker.unsubscribe(spec, args.group)
             finally:
                 await broker.close()
@@ -181,5 +187,6 @@ def register(
     p = sub.add_parser("unsubscribe", help="remove a service's consumer group from a destination")
     p.add_argument("destination")
     p.add_argument("--group", required=True, help="the service whose subscription goes")
+    p.add_argument("--yes", action="store_true", help="also delete the group's dead letters")
     connection_options(p)
     p.set_defaults(func=_unsubscribe_cmd(usage_error))

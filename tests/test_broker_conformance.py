@@ -378,3 +378,19 @@ async def test_effects_of_a_deleted_entry_are_dead_lettered_as_empty(broker: Red
         await broker.commit_effects(d, [("HINCRBY", balances, "a", 1), ("LPUSH", wrong, "x")], [balances, wrong])
     [(_, fields)] = await broker.dead_letter_entries(view)
     assert fields[b"dlq-empty"] == b"1" and b"(LPUSH)" in fields[b"dlq-reason"]
+
+
+async def test_departed_consumers_with_nothing_pending_are_pruned(broker: RedisBroker) -> None:
+    spec = DestinationSpec("prune.q", "command")
+    [view] = await broker.subscribe(spec, "g")
+    await broker.publish([Envelope(destination="prune.q", kind="command", type="t", body=b"{}") for _ in range(2)])
+    [held] = await broker.read(view, "holder", 1, 0)  # keeps one entry pending
+    assert await broker.read(view, "gone", 10, 0)  # reads the other, then acks it and dies
+    await broker.ack(view, await broker.read_own_pending(view, "gone", 10))
+    await broker.read(view, "me", 1, 0)
+    await anyio.sleep(0.05)
+    assert await broker.prune_consumers(view, 10_000) == 0  # nobody idle long enough
+    assert await broker.prune_consumers(view, 10, keep="me") >= 1
+    names = {c["name"].decode() for c in await broker.redis.xinfo_consumers(view.stream, "g")}
+    assert names == {"holder", "me"}  # the holder's entry stays claimable; we are kept
+    assert held.entry_id

@@ -42,6 +42,9 @@ def test_bad_arguments_get_one_line_explanations(worker_env: dict[str, str]) -> 
         (["dlq", "show", "nope"], "no dead letter 'nope'"),
         (["dlq", "purge", "--all"], "without confirmation: pass --yes"),
         (["dlq", "redrive"], "say which dead letters"),
+        (["dlq", "list", "--limit", "0"], "must be at least 1"),
+        (["dlq", "redrive", "--all", "--rate", "-5"], "must be more than zero"),
+        (["run", "faultapp:worker", "--inbox-window", "-1"], "must not be negative"),
     ]
     for args, message in cases:
         out = run_cli(*args, env=worker_env)
@@ -81,6 +84,8 @@ def test_dlq_commands_list_show_redrive_and_purge(worker_env: dict[str, str], re
             worker.kill()
     listed = json.loads(run_cli("dlq", "list", "--json", env=worker_env).stdout)
     assert len(listed) == 3 and {d["group"] for d in listed} == {"poison"}
+    keep = run_cli("unsubscribe", "poison.jobs", "--group", "poison", env=worker_env)
+    assert keep.returncode == 2 and "holds 3 dead letter(s)" in keep.stderr  # not deleted silently
     assert all(d["error_type"] == "builtins.ValueError" for d in listed)
     shown = run_cli("dlq", "show", listed[0]["message_id"], env=worker_env)
     assert shown.returncode == 0 and "rejected" in shown.stdout and "traceback" in shown.stdout

@@ -12,21 +12,18 @@
 -- ARGV[7 ..]  the n entry ids, the m inbox ids, the k counter ids
 -- Returns the number of entries acknowledged.
 local n, m, k = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local ids = {}
-for i = 1, n do ids[i] = ARGV[6 + i] end
-local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
-if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(ids)) end
+-- unpack(ARGV, from, to) passes slices without copying them into tables first
+local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 7, 6 + n))
+if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(ARGV, 7, 6 + n)) end
 if m > 0 then
-  local zadd = {}
+  local zadd, now, base = {}, ARGV[3], 6 + n
   for i = 1, m do
-    zadd[#zadd + 1] = ARGV[3]
-    zadd[#zadd + 1] = ARGV[6 + n + i]
+    zadd[2 * i - 1] = now
+    zadd[2 * i] = ARGV[base + i]
   end
   redis.call('ZADD', KEYS[2], unpack(zadd))
 end
 if k > 0 then
-  local fields = {}
-  for i = 1, k do fields[i] = ARGV[6 + n + m + i] end
-  redis.call('HDEL', KEYS[3], unpack(fields))
+  redis.call('HDEL', KEYS[3], unpack(ARGV, 7 + n + m, 6 + n + m + k))
 end
 return acked

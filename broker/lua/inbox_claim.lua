@@ -13,25 +13,24 @@
 local now = tonumber(ARGV[1])
 local lease = -(now + tonumber(ARGV[2]))
 local n = tonumber(ARGV[3])
-local ids = {}
-for i = 4, #ARGV do ids[#ids + 1] = ARGV[i] end
-local scores = redis.call('ZMSCORE', KEYS[1], unpack(ids))
-local out = {}
-local zadd = {}
-local taken = {}
-for i = 1, #ids do
-  local id = ids[i]
-  local s = scores[i] and tonumber(scores[i])
+local scores = redis.call('ZMSCORE', KEYS[1], unpack(ARGV, 4))
+local out, zadd, taken = {}, {}, {}
+local z = 0
+for i = 1, #ARGV - 3 do
+  local id = ARGV[i + 3]
+  local s = scores[i]
+  if s then s = tonumber(s) end
   if s and s >= 0 then
     out[i] = 1
   elseif (s and -s > now and i <= n) or taken[id] then
     out[i] = 2  -- a live lease elsewhere, or a second copy in this very batch (the first one runs)
   else
     taken[id] = true
-    zadd[#zadd + 1] = lease
-    zadd[#zadd + 1] = id
+    zadd[z + 1] = lease
+    zadd[z + 2] = id
+    z = z + 2
     out[i] = 0
   end
 end
-if #zadd > 0 then redis.call('ZADD', KEYS[1], unpack(zadd)) end
+if z > 0 then redis.call('ZADD', KEYS[1], unpack(zadd)) end
 return out
