@@ -215,7 +215,7 @@ def _cmd_produce(kind: str) -> Callable[[argparse.Namespace], int]:
 
         payload = _json_arg(args.payload)
 
-        async def go() -> str:
+        async def go() -> str | None:
             async with Client(args.redis_url, namespace=args.namespace) as client:
                 method = client.send if kind == "command" else client.publish
                 return await method(
@@ -223,6 +223,12 @@ def _cmd_produce(kind: str) -> Callable[[argparse.Namespace], int]:
                 )
 
         message_id = anyio.run(go)
+        if message_id is None:
+            print(
+                f"not stored: idempotency key {args.idempotency_key!r} was already used within the dedup window",
+                file=sys.stderr,
+            )
+            return 0
         print(message_id)
         return 0
 

@@ -3,7 +3,7 @@
 ``send`` puts a command on a queue, ``publish`` an event on a topic; both return once the message
 is stored. ``send_many``/``publish_many`` and :meth:`Client.batch` pipeline many messages in one
 round trip. ``idempotency_key`` makes a repeated publish (a retried HTTP request, say) a no-op
-within the broker's dedup window.
+within the broker's dedup window (``send``/``publish`` then return None instead of an id).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ class Batch:
     def __init__(self) -> None:
         self.items: list[Outgoing] = []
 
-    def send(self, queue: str | Queue, command: Any, **options: Any) -> str:
+    def send(self, queue: str | Queue, command: Any, **options: Any) -> str | None:
         """Add a command; returns its message id."""
         env, spec = build_envelope(queue, COMMAND, command, **options)
         self.items.append((env, spec))
         return env.id
 
-    def publish(self, topic: str | Topic, event: Any, **options: Any) -> str:
+    def publish(self, topic: str | Topic, event: Any, **options: Any) -> str | None:
         """Add an event; returns its message id."""
         env, spec = build_envelope(topic, EVENT, event, **options)
         self.items.append((env, spec))
@@ -100,8 +100,11 @@ class Client:
         type: str | None = None,
         idempotency_key: str | None = None,
         message_id: str | None = None,
-    ) -> str:
-        """Send a command to ``queue``; return its message id."""
+    ) -> str | None:
+        """Send a command to ``queue``; return its message id.
+
+        None when ``idempotency_key`` was already used within the dedup window (nothing stored).
+        """
         item = build_envelope(
             queue,
             COMMAND,
@@ -112,8 +115,8 @@ class Client:
             idempotency_key=idempotency_key,
             message_id=message_id,
         )
-        await self._publish([item])
-        return item[0].id
+        [entry] = await self._publish([item])
+        return None if entry is None else item[0].id
 
     async def publish(
         self,
@@ -125,8 +128,11 @@ class Client:
         type: str | None = None,
         idempotency_key: str | None = None,
         message_id: str | None = None,
-    ) -> str:
-        """Publish an event to ``topic``; return its message id."""
+    ) -> str | None:
+        """Publish an event to ``topic``; return its message id.
+
+        None when ``idempotency_key`` was already used within the dedup window (nothing stored).
+        """
         item = build_envelope(
             topic,
             EVENT,
@@ -137,8 +143,8 @@ class Client:
             idempotency_key=idempotency_key,
             message_id=message_id,
         )
-        await self._publish([item])
-        return item[0].id
+        [entry] = await self._publish([item])
+        return None if entry is None else item[0].id
 
     async def send_many(
         self, queue: str | Queue, commands: Iterable[Any], *, key: Callable[[Any], str] | None = None
@@ -195,11 +201,11 @@ class SyncClient:
             self._cm.__exit__(None, None, None)
             self._portal = None  # type: ignore[assignment]
 
-    def send(self, queue: str | Queue, command: Any, **options: Any) -> str:
+    def send(self, queue: str | Queue, command: Any, **options: Any) -> str | None:
         """See :meth:`Client.send`."""
         return self._portal.call(lambda: self._client.send(queue, command, **options))
 
-    def publish(self, topic: str | Topic, event: Any, **options: Any) -> str:
+    def publish(self, topic: str | Topic, event: Any, **options: Any) -> str | None:
         """See :meth:`Client.publish`."""
         return self._portal.call(lambda: self._client.publish(topic, event, **options))
 

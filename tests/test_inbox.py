@@ -150,8 +150,10 @@ async def test_producer_idempotency_key_publishes_once(redis_url: str, namespace
         runs += 1
 
     async with ServiceHarness([svc], url=redis_url, namespace=namespace) as harness:
-        for _ in range(3):  # e.g. an HTTP client retrying a POST
-            await harness.client.send("q", {"order": 9}, idempotency_key="POST /orders 9")
+        ids = [  # e.g. an HTTP client retrying a POST
+            await harness.client.send("q", {"order": 9}, idempotency_key="POST /orders 9") for _ in range(3)
+        ]
+        assert ids[0] is not None and ids[1:] == [None, None]  # the repeats say they stored nothing
         await harness.run_until_idle()
         assert len(await harness.messages("q")) == 0
     assert runs == 1
