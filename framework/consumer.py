@@ -302,6 +302,7 @@ class Consumer:
         slot = _Slot()
         state.slots.add(slot)
         index = 0
+        started = time.perf_counter()
         try:
             while index < len(works):
                 with anyio.CancelScope() as scope:  # only handler runs await inside: the watchdog's handle
@@ -317,10 +318,12 @@ class Consumer:
                 await self._settle_finished(state, done)
         except Exception as exc:  # a framework bug: unsettled works stay pending and are redelivered
             log.error("processing failed; unsettled messages will be redelivered", exc_info=exc)
-            self._forget(state, [d for d, _ in works[index:]])
+            finished = {id(d) for d in done.deliveries}  # settled below; earlier ones are settled already
+            self._forget(state, [d for d, _ in works[index:] if id(d) not in finished])
         finally:
             slot.delivery = None
             state.slots.discard(slot)
+            self.stats.handler_seconds += time.perf_counter() - started
         await self._settle_finished(state, done)
 
     async def _process_from(
@@ -355,7 +358,6 @@ class Consumer:
             return
         deliveries, outgoing, duplicates = done.deliveries, done.outgoing, done.duplicates
         done.deliveries, done.outgoing, done.duplicates = [], [], 0
-        self.stats.handler_seconds += time.monotonic() - done.since
         if outgoing:
             try:
                 await self.runtime.publish_outgoing(outgoing)

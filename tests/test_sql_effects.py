@@ -170,3 +170,31 @@ async def test_the_in_process_relay_publishes_what_handlers_staged_in_sql(
         await engine.dispose()
     assert sorted(got, key=int) == [str(n) for n in range(20)]
     assert (await _counts(pg_url))[0] == 20
+
+
+@pytest.mark.anyio
+async def test_messages_staged_inside_and_after_a_sql_block_get_different_ids(
+    pg_url: str, redis_url: str, namespace: str
+) -> None:
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    svc = Service("counter")
+
+    @svc.command("counter.increment")
+    async def increment(cmd: dict, ctx: Context) -> None:
+        async with ctx.sql_transaction(engine) as conn:
+            await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": cmd["n"]})
+            ctx.publish("counter.incremented", {"where": "outbox"})
+        ctx.publish("counter.incremented", {"where": "direct"})  # allowed, though not exactly-once (warned)
+
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace) as h:
+            await h.client.send("counter.increment", {"n": "1"})
+            await h.run_until_idle()
+            [direct] = await h.messages("counter.incremented")
+            async with engine.connect() as conn:
+                [in_outbox] = (await conn.execute(text("SELECT message_id FROM framework_outbox"))).scalars().all()
+    finally:
+        await engine.dispose()
+    assert direct.body == b'{"where":"direct"}'
+    assert in_outbox != direct.id  # one id each: the outbox copy is not dropped downstream as a duplicate

@@ -16,9 +16,9 @@ local n, m, k = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 7, 6 + n))
 if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(ARGV, 7, 6 + n)) end
 if m > 0 then
-  local zadd, now, base = {}, ARGV[3], 6 + n
+  local zadd, now, base = {}, tonumber(ARGV[3]), 6 + n
   for i = 1, m do
-    zadd[2 * i - 1] = now
+    zadd[2 * i - 1] = now + i / 1024  -- a fraction of a ms apart: distinct scores insert faster than ties
     zadd[2 * i] = ARGV[base + i]
   end
   redis.call('ZADD', KEYS[2], unpack(zadd))
