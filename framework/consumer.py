@@ -333,6 +333,8 @@ class Consumer:
         finished runs have waited ``ack_interval`` to be settled (raises if cancelled)."""
         interval = self.runtime.settings.ack_interval
         run = self._run
+        clock = time.monotonic
+        began = clock()
         for index in range(start, len(works)):
             d, payload = works[index]
             slot.index = index
@@ -340,16 +342,20 @@ class Consumer:
                 ctx = await run(state, d, payload, d.envelope.attempt, slot)  # type: ignore[union-attr]
             else:
                 ctx = await self._run_suspect(state, d, payload, slot)
+            ended = clock()
             if ctx is not None and ctx is not _SETTLED:
                 if not done.deliveries:
-                    done.since = time.monotonic()
+                    done.since = ended
                 done.deliveries.append(d)
                 if ctx._outgoing:
                     done.outgoing += ctx._outgoing
                 if ctx._duplicate:
                     done.duplicates += 1
-                if time.monotonic() - done.since >= interval:
+                # Settle now when finished runs waited long enough, or when this run was slow: the
+                # next one likely is too, and a finished message must not wait for it.
+                if ended - done.since >= interval or ended - began >= interval:
                     return index + 1
+            began = ended
         return len(works)
 
     async def _settle_finished(self, state: _PartitionState, done: _Finished) -> None:
