@@ -169,7 +169,7 @@ async def test_handler_can_ask_for_a_retry_after_a_delay(redis_url: str, namespa
 
 async def test_a_poison_message_does_not_block_its_partition(redis_url: str, namespace: str) -> None:
     done: list[int] = []
-    svc = Service("s", retry=RetryPolicy(max_attempts=3, immediate=0, backoff=0.3, jitter=False))
+    svc = Service("s", retry=RetryPolicy(max_attempts=2, immediate=0, backoff=1.0, jitter=False))
 
     @svc.event("t")
     async def h(e: dict) -> None:
@@ -183,7 +183,7 @@ async def test_a_poison_message_does_not_block_its_partition(redis_url: str, nam
         with anyio.fail_after(5):
             while len(done) < 19:
                 await anyio.sleep(0.01)
-        assert time.monotonic() - started < 0.3  # the others did not wait for the poison's retries
+        assert time.monotonic() - started < 0.7  # the others did not wait for the poison's 1 s retry
         await harness.run_until_idle()
         assert len(await DeadLetters(harness.broker).list()) == 1
 
@@ -343,7 +343,7 @@ async def test_sync_handlers_time_out_too(redis_url: str, namespace: str) -> Non
 
     @svc.command("q")
     def h(cmd: dict) -> None:
-        time.sleep(1.5)
+        time.sleep(3)
 
     async with ServiceHarness([svc], url=redis_url, namespace=namespace) as harness:
         await harness.client.send("q", {})
@@ -351,7 +351,7 @@ async def test_sync_handlers_time_out_too(redis_url: str, namespace: str) -> Non
         with anyio.fail_after(10):
             while not await DeadLetters(harness.broker).list():
                 await anyio.sleep(0.05)
-        assert time.monotonic() - started < 1.4  # settled before the thread finished
+        assert time.monotonic() - started < 2.5  # settled long before the thread finished
         [dead] = await DeadLetters(harness.broker).list()
     assert "thread cannot be stopped" in dead.reason
 
