@@ -13,6 +13,7 @@ group's retry path, or the dead-letter queue, each atomic with the ack).
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -452,9 +453,7 @@ class Consumer:
         A run is timed from when the watchdog first sees it, so it is cancelled between
         ``timeout`` and ``timeout`` plus two watchdog intervals after it started.
         """
-        timeout = self.handler.timeout
-        if timeout is None:
-            return
+        timeout = self.handler.timeout or math.inf  # the watchdog runs only for handlers with a timeout
         now = time.monotonic()
         for state in self.states.values():
             for slot in state.slots:
