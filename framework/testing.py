@@ -1,13 +1,8 @@
-"""Testing services against the real server: a broker per test session, run services until idle.
+"""Testing services against the real server: run services in-process until idle, no mocks.
 
-Installed as a pytest plugin (entry point ``framework``), it gives every test suite:
-
-* ``framework_redis_url`` (session): ``$REDIS_URL`` if set, else an embedded Valkey started for the
-  session in a temporary directory and stopped afterwards;
-* ``framework_namespace``: a fresh key prefix per test; its keys are deleted after the test, and
-  nothing else on the server is touched (never a FLUSHDB).
-
-and :class:`ServiceHarness` to run services in-process::
+Importable without pytest (the demo and benchmarks use it). The pytest fixtures
+(``framework_redis_url``, ``framework_namespace``) live in :mod:`framework.pytest_plugin`, which
+pytest loads by itself (entry point ``framework``). :class:`ServiceHarness` runs services::
 
     async with ServiceHarness([billing], url=framework_redis_url, namespace=framework_namespace) as h:
         await h.client.publish("orders.placed", OrderPlaced("o-1", 100))
@@ -17,17 +12,15 @@ and :class:`ServiceHarness` to run services in-process::
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.abc
-import pytest
 import redis
 
 from broker import EmbeddedServer, Envelope, RedisBroker, connect
@@ -41,8 +34,6 @@ __all__ = [
     "ServiceHarness",
     "delete_namespace",
     "embedded_server",
-    "framework_namespace",
-    "framework_redis_url",
     "unique_namespace",
 ]
 
@@ -88,35 +79,6 @@ class embedded_server:
     def __exit__(self, *exc: object) -> None:
         self.server.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Give tests plain, fast console logs unless the application configured structlog itself."""
-    import structlog
-
-    from framework.logs import configure_logging
-
-    if not structlog.is_configured():
-        configure_logging(fmt="console")
-
-
-@pytest.fixture(scope="session")
-def framework_redis_url() -> Iterator[str]:
-    """``$REDIS_URL``, or a session-wide embedded Valkey."""
-    url = os.environ.get("REDIS_URL")
-    if url:
-        yield url
-        return
-    with embedded_server() as url:
-        yield url
-
-
-@pytest.fixture
-def framework_namespace(framework_redis_url: str) -> Iterator[str]:
-    """A fresh namespace for one test; its keys are deleted afterwards."""
-    namespace = unique_namespace()
-    yield namespace
-    delete_namespace(framework_redis_url, namespace)
 
 
 class ServiceHarness:

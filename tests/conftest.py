@@ -1,7 +1,7 @@
 """Shared fixtures: a real broker for the session (embedded Valkey unless REDIS_URL is set).
 
 ``framework_redis_url`` and ``framework_namespace`` come from the framework's own pytest plugin
-(``framework.testing``); the names below are short aliases used throughout the suite.
+(``framework.pytest_plugin``); the names below are short aliases used throughout the suite.
 """
 
 from __future__ import annotations

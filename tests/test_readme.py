@@ -38,3 +38,36 @@ def test_the_quick_start_service_passes_the_readme_testing_example(tmp_path: Pat
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "1 passed" in run.stdout
+
+
+DOCS = sorted((README.parent / "docs").glob("*.md"))
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.name)
+def test_python_blocks_parse_and_links_resolve(page: Path) -> None:
+    import ast
+    import textwrap
+
+    text = page.read_text()
+    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        ast.parse(textwrap.dedent(block))  # a SyntaxError names the block's line
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path_part, _, anchor = target.partition("#")
+        linked = (page.parent / path_part).resolve() if path_part else page
+        if not linked.exists():
+            broken.append(target)
+        elif anchor and linked.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", linked.read_text(), flags=re.S), flags=re.M)
+            if anchor not in {_anchor(h) for h in headings}:
+                broken.append(target)
+    assert broken == [], f"{page.name}: broken links {broken}"
