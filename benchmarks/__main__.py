@@ -30,7 +30,7 @@ from benchmarks import machine, procs, runtime_bench
 
 __all__ = ["BENCHMARKS", "Sizes", "main"]
 
-BENCHMARKS = ("raw", "commands", "events", "latency", "memory", "outbox", "spark")
+BENCHMARKS = ("raw", "commands", "events", "latency", "memory", "outbox", "spark", "recovery")
 _NEEDS_RAW = {"commands", "events", "memory"}  # their ratios need the ceiling of the same run
 
 THROUGHPUT_TARGET = 0.25  # of the raw ceiling, one worker process
@@ -52,10 +52,11 @@ class Sizes:
     latency_rate: float
     outbox_messages: int
     spark_events: int
+    recovery_messages: int = 30_000
 
 
 FULL = Sizes(200_000, 1_000_000, 100_000, 10.0, 500.0, 100_000, 1_000_000)
-QUICK = Sizes(20_000, 50_000, 5_000, 3.0, 500.0, 5_000, 20_000)
+QUICK = Sizes(20_000, 50_000, 5_000, 3.0, 500.0, 5_000, 20_000, 30_000)
 
 err = Console(stderr=True, highlight=False)
 
@@ -165,6 +166,10 @@ class Runner:
                 kw = {"rate": s.latency_rate, "seconds": s.latency_seconds, "progress": p}
                 self._trial("latency:raw", lambda kw=kw: runtime_bench.raw_latency(url, **kw), r)
                 self._trial("latency:framework", lambda kw=kw: runtime_bench.latency(url, **kw), r)
+            if "recovery" in self.selected:
+                from benchmarks import recovery_bench
+
+                self._trial("recovery", lambda: recovery_bench.run_trial(url, s.recovery_messages, progress=p), r)
         if "memory" in self.selected:
             self._trial("memory:small", lambda: runtime_bench.memory(url, s.memory_small, progress=p))
             self._trial("memory:big", lambda: runtime_bench.memory(url, s.memory_backlog, progress=p))
@@ -240,6 +245,13 @@ class Runner:
             "latency:raw": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
             "latency:framework": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
             "memory:small": ("peak_rss_mib", "msgs_per_s", "server_inbox_mib"),
+            "recovery": (
+                "normal_msgs_per_s",
+                "restart_msgs_per_s",
+                "claim_msgs_per_s",
+                "restart_ratio",
+                "claim_ratio",
+            ),
             "memory:big": (
                 "peak_rss_mib",
                 "first_half_rss_mib",
@@ -397,6 +409,21 @@ class Runner:
                     text,
                 )
             )
+        if not not_run("recovery", "recovery after SIGKILL") and (rc := sm.get("recovery")):
+            for which, label in (
+                ("restart", "recovery after SIGKILL: restarted worker re-reads its own pending"),
+                ("claim", "recovery after SIGKILL: another worker claims the killed one's entries"),
+            ):
+                rt = rc[f"{which}_ratio"]
+                spread = f"\n[dim]{rt['min']:.0%}-{rt['max']:.0%}[/dim]" if len(rt["runs"]) > 1 else ""
+                rows.append(
+                    Row(
+                        label,
+                        _rate(rc[f"{which}_msgs_per_s"]),
+                        f"{rc['normal_msgs_per_s']['median']:,.0f} msg/s\n[dim]normal drain, same run[/dim]",
+                        f"{rt['median']:.0%}{spread}",
+                    )
+                )
         if not not_run("outbox", "outbox relay") and (ob := self.trials.get("outbox")):
             rows.append(self._external_row("outbox relay", ob[0], self._outbox_row))
         if not not_run("spark", "spark bridge") and (sp := self.trials.get("spark")):

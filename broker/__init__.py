@@ -5,9 +5,17 @@ reads the same streams through it.
 """
 
 from broker.connect import connect, default_namespace, redact, resolve_url
-from broker.embedded import EmbeddedServer, ServerStatus, default_data_dir
+from broker.embedded import EmbeddedServer, ServerStatus, default_data_dir, framework_home
 from broker.envelope import COMMAND, EVENT, Envelope, Kind, now_ms
-from broker.errors import BrokerError, BrokerUnavailable, ConfigurationError, DecodeError, EffectsFailed
+from broker.errors import (
+    BrokerError,
+    BrokerUnavailable,
+    ConfigurationError,
+    DecodeError,
+    EffectsFailed,
+    MessageTooLarge,
+    PermissionDenied,
+)
 from broker.ids import derive_id, id_time_ms, new_id
 from broker.keys import GroupKeys, KeySpace, PartitionKeys
 from broker.protocol import Broker, Delivery, GroupPartition, Start
@@ -32,7 +40,9 @@ __all__ = [
     "GroupPartition",
     "KeySpace",
     "Kind",
+    "MessageTooLarge",
     "PartitionKeys",
+    "PermissionDenied",
     "RedisBroker",
     "ServerStatus",
     "Start",
@@ -40,6 +50,7 @@ __all__ = [
     "default_data_dir",
     "default_namespace",
     "derive_id",
+    "framework_home",
     "id_time_ms",
     "new_id",
     "now_ms",

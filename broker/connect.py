@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aredis
-from redis.exceptions import RedisError
+import redis.asyncio.connection as aconn
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from broker.embedded import EmbeddedServer
-from broker.errors import BrokerUnavailable
+from broker.errors import BrokerUnavailable, PermissionDenied
 from broker.redis_broker import RedisBroker
-from broker.wire import connection_class_for
+from broker.wire import client_options, command_timeout_from_env
 
 __all__ = ["connect", "default_namespace", "redact", "resolve_url"]
 
@@ -25,11 +29,15 @@ def default_namespace() -> str:
 
 def redact(url: str) -> str:
     """The URL with any password replaced by ``***`` (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
+    try:
+        parts = urlsplit(url)
+        password, port = parts.password, parts.port
+    except ValueError:  # unparsable: show nothing that could be a secret
+        return "<unparsable URL>"
+    if password:
+        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{port}" if port else "")
+        url = urlunsplit(parts._replace(netloc=netloc))
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)  # redis-py also takes ?password=...
 
 
 def resolve_url(url: str | None = None, data_dir: Path | str | None = None) -> str:
@@ -41,7 +49,41 @@ def resolve_url(url: str | None = None, data_dir: Path | str | None = None) -> s
                 f"invalid broker URL {redact(url)!r}: expected redis://host:port/db, rediss://... or unix://path"
             )
         return url
-    return EmbeddedServer(data_dir).ensure_running()
+    return EmbeddedServer(data_dir, announce=_announce).ensure_running()
+
+
+def _announce(line: str) -> None:
+    """Say on stderr that this process started the shared embedded server (a detached process
+    that outlives it), and where: one line, no password."""
+    print(f"framework: {line}", file=sys.stderr, flush=True)
+
+
+_SCRIPT_ACL = ("The user executing the script can't", "ACL failure in script")  # Redis 7, Valkey
+
+
+class _ScriptErrors(dict):  # type: ignore[type-arg]
+    """ERR replies by message; a script's ACL refusal becomes a :class:`PermissionDenied`."""
+
+    permission: Any = None
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if isinstance(key, str) and key.startswith(_SCRIPT_ACL):
+            return self.permission
+        return super().get(key, default)
+
+
+@functools.cache
+def _permission_parser(namespace: str) -> type:
+    """The default reply parser, raising :class:`PermissionDenied` (one line naming the command and
+    ``~namespace:*``) for ACL refusals instead of redis' bare ``NoPermissionError``."""
+    base: Any = aconn.DefaultParser
+    factory = functools.partial(PermissionDenied, namespace=namespace)
+    classes = dict(base.EXCEPTION_CLASSES)
+    classes["NOPERM"] = factory
+    script_errors = _ScriptErrors(classes.get("ERR", {}))
+    script_errors.permission = factory
+    classes["ERR"] = script_errors
+    return type("PermissionAwareParser", (base,), {"EXCEPTION_CLASSES": classes})
 
 
 async def connect(
@@ -54,22 +96,37 @@ async def connect(
     """Connect and check the server answers; raise :class:`BrokerUnavailable` saying how to fix it.
 
     Without ``url`` and ``REDIS_URL`` this uses (and if needed starts) the embedded Valkey in
-    ``data_dir`` (default ``./.framework/valkey``). A Redis Cluster is detected and used as one.
+    ``data_dir`` (default :func:`broker.default_data_dir`, per user). A Redis Cluster is detected
+    and used as one. ACL refusals raise :class:`PermissionDenied`, here and on every later command.
     """
     explicit = bool(url or os.environ.get("REDIS_URL"))
     resolved = resolve_url(url, data_dir)
-    kwargs: dict[str, Any] = {
-        "protocol": 2,
-        "socket_connect_timeout": 5,
-        "socket_keepalive": True,
-        "connection_class": connection_class_for(resolved),
-    }
+    # Every wait is bounded (connect 5 s, commands $FRAMEWORK_COMMAND_TIMEOUT): see client_options.
+    command_timeout = command_timeout_from_env()
+    kwargs: dict[str, Any] = {"protocol": 2, **client_options(resolved, command_timeout)}
     if max_connections:
         kwargs["max_connections"] = max_connections
+    kwargs["parser_class"] = _permission_parser(namespace or default_namespace())
     client = aredis.Redis.from_url(resolved, **kwargs)
     try:
         await client.ping()
-        info = await client.info("cluster")
+        try:
+            info = await client.info("cluster")
+        except NoPermissionError:  # INFO is not needed otherwise: an ACL user without it is standalone
+            info = {}
+    except PermissionDenied:
+        await client.aclose()
+        raise
+    except AuthenticationError as exc:
+        await client.aclose()
+        reason = str(exc).rstrip(".")
+        hint = (
+            "Check the user name and password in REDIS_URL."
+            if explicit
+            else "The embedded Valkey's password file does not match the running server: "
+            "restart it (`framework server stop`, then `framework server start`)."
+        )
+        raise BrokerUnavailable(f"the broker at {redact(resolved)} refused the credentials: {reason}. {hint}") from exc
     except (RedisError, OSError) as exc:
         await client.aclose()
         hint = (
@@ -86,7 +143,7 @@ async def connect(
         await client.aclose()
         from redis.asyncio.cluster import RedisCluster
 
-        cluster = RedisCluster.from_url(resolved, protocol=2)
+        cluster = RedisCluster.from_url(resolved, protocol=2, **client_options(resolved, command_timeout, cluster=True))
         await cluster.initialize()
-        return RedisBroker(cluster, namespace=ns, url=resolved, cluster=True)
-    return RedisBroker(client, namespace=ns, url=resolved)
+        return RedisBroker(cluster, namespace=ns, url=resolved, cluster=True, command_timeout=command_timeout)
+    return RedisBroker(client, namespace=ns, url=resolved, command_timeout=command_timeout)

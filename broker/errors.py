@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-__all__ = ["BrokerError", "BrokerUnavailable", "ConfigurationError", "DecodeError", "EffectsFailed"]
+import re
+
+from redis.exceptions import NoPermissionError
+
+__all__ = [
+    "BrokerError",
+    "BrokerUnavailable",
+    "ConfigurationError",
+    "DecodeError",
+    "EffectsFailed",
+    "MessageTooLarge",
+    "PermissionDenied",
+]
 
 
 class BrokerError(Exception):
@@ -19,6 +31,45 @@ class ConfigurationError(BrokerError):
 
 class DecodeError(BrokerError):
     """A stream entry is not a valid envelope (missing or malformed fields)."""
+
+
+class MessageTooLarge(BrokerError, ValueError):
+    """A message body is over the maximum body size; nothing was stored."""
+
+    def __init__(self, destination: str, size: int, limit: int) -> None:
+        self.destination = destination
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"message body for {destination!r} is {size:,} bytes, over the limit of {limit:,} bytes: "
+            "send large data out of band (e.g. object storage) and pass a reference, or raise the limit "
+            "with FRAMEWORK_MAX_BODY_BYTES (producers and consumers alike)"
+        )
+
+
+_COMMAND = re.compile(r"permissions to run the '([^']+)' command")
+
+
+class PermissionDenied(BrokerError, NoPermissionError):
+    """The server's ACL refused a command or a key to the broker user.
+
+    Raised for every NOPERM reply on connections made by :func:`broker.connect` (it is still a
+    redis ``NoPermissionError``). The message is one line naming the command (when the server
+    says it) and the key pattern the user needs.
+    """
+
+    def __init__(self, response: str = "", *args: object, namespace: str = "fw", **kwargs: object) -> None:
+        self.response = response
+        self.namespace = namespace
+        match = _COMMAND.search(response)
+        self.command = match.group(1).replace("|", " ").upper() if match else None
+        if self.command:
+            what = f"may not run {self.command} (keys ~{namespace}:*)"
+        elif "script" in response:
+            what = f"may not run a command of a framework script (EVALSHA) on keys ~{namespace}:*"
+        else:
+            what = f"may not access keys ~{namespace}:*"
+        super().__init__(f"permission denied: the broker user {what} (ACL); see docs/operations.md#acl-rules")
 
 
 class EffectsFailed(Exception):

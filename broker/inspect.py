@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from broker.protocol import GroupPartition
 from broker.redis_broker import RedisBroker
@@ -133,6 +133,8 @@ async def describe(broker: RedisBroker, names: list[str] | None = None) -> list[
             stream = broker.keyspace.partition(spec.name, p).stream
             try:
                 length = int(await broker.redis.xlen(stream))
+            except NoPermissionError:  # an ACL refusal is not "no such stream": say it
+                raise
             except ResponseError:
                 length = 0
             states = [await group_state(broker, broker.group_partition(spec, p, g)) for g in groups]

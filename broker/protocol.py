@@ -35,7 +35,7 @@ from broker.envelope import Envelope
 from broker.keys import GroupKeys
 from broker.topology import DestinationSpec
 
-__all__ = ["Broker", "Delivery", "GroupPartition", "Start"]
+__all__ = ["Broker", "Delivery", "Extension", "GroupPartition", "Start"]
 
 Start = Literal["earliest", "latest"]
 
@@ -94,6 +94,19 @@ class Delivery:
         return self.envelope.id if self.envelope is not None else ""
 
 
+class Extension(frozenset[str]):
+    """What :meth:`Broker.extend` found: the entry ids still owned (the set itself, now touched)
+    and ``taken``, those pending under another consumer (claimed away). Entries in neither were
+    settled meanwhile (acked, retried, dead-lettered): not a take-over."""
+
+    __slots__ = ("taken",)
+
+    def __new__(cls, owned: Iterable[str] = (), taken: Iterable[str] = ()) -> Extension:
+        self = super().__new__(cls, owned)
+        self.taken = frozenset(taken)
+        return self
+
+
 class Broker(Protocol):
     """A message transport keeping the contract in this module's docstring."""
 
@@ -140,8 +153,9 @@ class Broker(Protocol):
 
     async def extend(
         self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery], *, lease_ms: int = 60_000
-    ) -> set[str]:
-        """Reset the idle time of deliveries ``consumer`` still owns; return their entry ids."""
+    ) -> Extension:
+        """Reset the idle time of every delivery ``consumer`` still owns and extend its inbox lease
+        by ``lease_ms``; return their entry ids, with ``.taken``: those another consumer claimed."""
         ...
 
     async def inbox_claim(self, source: GroupPartition, deliveries: Sequence[Delivery], lease_ms: int) -> list[int]:
@@ -185,6 +199,13 @@ class Broker(Protocol):
         """Remove ``group`` from every partition with its retry, dead-letter and inbox state."""
         ...
 
+    async def delete_destination(self, spec: DestinationSpec, *, force: bool = False) -> int:
+        """Delete the destination with all its keys and registrations; return how many keys went.
+
+        Refuses while a group is subscribed or entries are stored, unless ``force``.
+        """
+        ...
+
     def channel(self) -> Any:
         """A connection of one task's own for its hot path, or None (then calls use the shared pool)."""
         ...
@@ -197,6 +218,11 @@ class Broker(Protocol):
 
     async def count_attempt(self, delivery: Delivery) -> int:
         """Record that a redelivered message is about to run; return how many such runs it had."""
+        ...
+
+    async def count_first_redeliveries(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """Count the first redelivered run of each message, in one round trip; False marks a suspect
+        (an earlier redelivered run started and did not complete)."""
         ...
 
     async def commit_effects(

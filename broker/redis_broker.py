@@ -8,17 +8,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import orjson
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
-from broker.codec import decode_flat, encode_fields
+from broker.codec import check_body_size, decode_flat, encode_fields
+from broker.codec import max_body_bytes as max_body_bytes_setting
 from broker.envelope import Envelope, Kind, now_ms
 from broker.errors import ConfigurationError, DecodeError, EffectsFailed
 from broker.headers import DLQ_ERROR_MESSAGE, DLQ_ERROR_TYPE, DLQ_REASON, FIRST_FAILED_AT, IDEMPOTENCY_KEY
 from broker.keys import KeySpace, PartitionKeys
-from broker.protocol import Delivery, GroupPartition, Start
+from broker.protocol import Delivery, Extension, GroupPartition, Start
 from broker.scripts import Script, load_scripts
 from broker.topology import DestinationSpec, validate_name
-from broker.wire import Channel
+from broker.wire import DEFAULT_COMMAND_TIMEOUT, Channel
 
 __all__ = ["RedisBroker"]
 
@@ -52,8 +53,23 @@ class RedisBroker:
     connection each from the pool for as long as they wait.
     """
 
-    def __init__(self, client: Any, *, namespace: str = "fw", url: str = "", cluster: bool = False) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        namespace: str = "fw",
+        url: str = "",
+        cluster: bool = False,
+        command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
+        max_body_bytes: int | None = None,
+    ) -> None:
+        """``command_timeout``: seconds a command on a :meth:`channel` may wait for its reply (a
+        blocking read waits its BLOCK time on top); it should match the client's socket timeout.
+        ``max_body_bytes``: largest body :meth:`publish` accepts and consumers read (default
+        ``$FRAMEWORK_MAX_BODY_BYTES``, else 1 MiB); larger stored ones decode as errors (dead-lettered)."""
         self.redis = client
+        self.command_timeout = command_timeout
+        self.max_body_bytes = max_body_bytes_setting(max_body_bytes)
         self.keyspace = KeySpace(namespace)
         self.url = url
         self.cluster = cluster
@@ -178,9 +194,14 @@ class RedisBroker:
         to, chosen by the message's key, else by its idempotency key (not by its random id), so
         repeats without a message key land in one partition and are caught there. Repeats that
         carry different message keys may land in different partitions and are then not caught.
+        A body over :attr:`max_body_bytes` raises :class:`~broker.errors.MessageTooLarge` and
+        nothing of the call is stored.
         """
         if not envelopes:
             return []
+        limit = self.max_body_bytes
+        for env in envelopes:  # before anything is sent: a batch is stored whole or not at all
+            check_body_size(env, limit)
         window = dedup_window_ms if dedup_window_ms is not None else _DEFAULT_DEDUP_WINDOW_MS
         calls: list[tuple[str, list[str], list[Any]]] = []
         batches: dict[str, tuple[int, list[int], list[Any]]] = {}  # stream -> (call index, positions, args)
@@ -248,6 +269,7 @@ class RedisBroker:
         if isinstance(reply, dict):  # RESP3 servers/clients answer with a map
             reply = list(reply.items())
         append = out.append
+        limit = self.max_body_bytes
         for stream_name, entries in reply:
             stream = _text(stream_name)
             for entry_id, flat in entries:
@@ -257,25 +279,31 @@ class RedisBroker:
                     append(Delivery(source, stream, eid, [], None, "entry was deleted while pending", count))
                     continue
                 try:
-                    append(Delivery(source, stream, eid, flat, decode_flat(flat, name, kind), None, count))
+                    append(Delivery(source, stream, eid, flat, decode_flat(flat, name, kind, limit), None, count))
                 except DecodeError as exc:
                     append(Delivery(source, stream, eid, flat, None, str(exc), count))
         return out
 
     def channel(self) -> Channel | None:
         """A dedicated connection for one task's hot path (None on a Cluster: use the client)."""
-        return None if self.cluster else Channel(self.redis.connection_pool)
+        return None if self.cluster else Channel(self.redis.connection_pool, command_timeout=self.command_timeout)
 
     async def read(
         self, source: GroupPartition, consumer: str, count: int, block_ms: int, *, channel: Channel | None = None
     ) -> list[Delivery]:
-        """XREADGROUP new entries of the partition stream and the group's redeliver stream."""
+        """XREADGROUP new entries of the partition stream and the group's redeliver stream.
+
+        Bounded: on a channel the call waits at most ``block_ms`` plus the command timeout; through
+        the client (whose socket timeout is the command timeout) BLOCK is capped at half of it.
+        """
+        if channel is None:
+            block_ms = min(block_ms, int(self.command_timeout * 500))
         args: list[Any] = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", count]
         if block_ms > 0:
             args += ["BLOCK", block_ms]
         args += ["STREAMS", source.stream, source.keys.redeliver, ">", ">"]
         if channel is not None:
-            reply = await channel.execute(*args)
+            reply = await channel.execute(*args, timeout=block_ms / 1000 + self.command_timeout)
         else:
             reply = await self.redis.execute_command(*args)
         return self._deliveries(source, reply)
@@ -355,6 +383,8 @@ class RedisBroker:
         for stream in (source.stream, source.keys.redeliver):
             try:
                 rows = await self.redis.xinfo_consumers(stream, source.group)
+            except NoPermissionError:
+                raise
             except ResponseError:  # no stream or group yet
                 continue
             for row in rows:
@@ -367,26 +397,34 @@ class RedisBroker:
 
     async def extend(
         self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery], *, lease_ms: int = 60_000
-    ) -> set[str]:
+    ) -> Extension:
         """Touch deliveries ``consumer`` still owns so they are not claimed, and extend their inbox
-        leases by ``lease_ms``; return the entry ids still owned."""
-        owned: set[str] = set()
+        leases by ``lease_ms``; return the entry ids still owned, with ``.taken``: those pending
+        under another consumer. Entries no longer pending (settled meanwhile) are in neither."""
+        owned: list[str] = []
+        taken: list[str] = []
         by_stream: dict[str, list[Delivery]] = defaultdict(list)
         for d in deliveries:
             by_stream[d.stream].append(d)
         expiry = now_ms() + lease_ms
         for stream, items in by_stream.items():
-            args = [
-                source.group,
-                consumer,
-                expiry,
-                len(items),
-                *(d.entry_id for d in items),
-                *(d.message_id for d in items),
-            ]
-            reply = await self.scripts["extend"](self.redis, [stream, source.keys.inbox], args)
-            owned.update(_text(i) for i in reply)
-        return owned
+            for i in range(0, len(items), _ACK_CHUNK):  # bounded calls: a script blocks the server while it runs
+                chunk = items[i : i + _ACK_CHUNK]
+                args = [
+                    source.group,
+                    consumer,
+                    expiry,
+                    len(chunk),
+                    *(d.entry_id for d in chunk),
+                    *(d.message_id for d in chunk),
+                ]
+                reply = await self.scripts["extend"](self.redis, [stream, source.keys.inbox], args)
+                for d, status in zip(chunk, reply, strict=True):
+                    if status == 0:
+                        owned.append(d.entry_id)
+                    elif status == 2:
+                        taken.append(d.entry_id)
+        return Extension(owned, taken)
 
     async def inbox_claim(
         self, source: GroupPartition, deliveries: Sequence[Delivery], lease_ms: int, *, channel: Channel | None = None
@@ -544,6 +582,20 @@ class RedisBroker:
         """
         return int(await self.redis.hincrby(delivery.source.keys.attempts, delivery.message_id, 1))
 
+    async def count_first_redeliveries(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """Count the first redelivered run of each message that has had none; one round trip.
+
+        Per delivery: True when it had no counted redelivered run (its counter is now 1: this
+        run), False when an earlier redelivered run started and did not complete (its counter is
+        left as it is, for :meth:`count_attempt` to raise just before it runs again).
+        """
+        if not deliveries:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for d in deliveries:
+            pipe.hsetnx(d.source.keys.attempts, d.message_id, 1)
+        return [bool(int(r)) for r in await pipe.execute()]
+
     async def dead_letter(self, delivery: Delivery, reason: dict[str, str]) -> str | None:
         """Write the delivery's fields plus ``reason`` to the group's DLQ and ack it, atomically."""
         source = delivery.source
@@ -630,7 +682,12 @@ class RedisBroker:
         return int(await self.redis.xdel(view.keys.dlq, *dlq_entry_ids))
 
     async def unsubscribe(self, spec: DestinationSpec, group: str) -> None:
-        """Remove ``group`` from every partition of ``spec`` with its retry, DLQ and inbox keys."""
+        """Remove ``group`` from every partition of ``spec`` with its retry, DLQ and inbox keys.
+
+        No check here: workers still consuming crash on the missing group, and a group created
+        again replays what the topic retains with its inbox gone. ``framework unsubscribe``
+        refuses while consumers are alive and says what would replay.
+        """
         for p in range(spec.partitions):
             view = self.group_partition(spec, p, group)
             for stream in (view.stream, view.keys.redeliver):
@@ -640,12 +697,50 @@ class RedisBroker:
             await self.redis.delete(keys.redeliver, keys.delayed, keys.dlq, keys.inbox, keys.attempts)
         await self.redis.hdel(self.keyspace.subscriptions, f"{spec.name}|{group}")
 
+    async def delete_destination(self, spec: DestinationSpec, *, force: bool = False) -> int:
+        """Delete ``spec`` and every key it has; return how many keys were deleted.
+
+        Goes: each partition's stream and producer idempotency keys, the retry, delayed,
+        dead-letter, inbox and attempt keys of every group (registered, or present on a stream),
+        then its registry entries (last, so an interrupted delete can be run again: ``unsubscribe``
+        also drops its registry entry last). Refuses with ConfigurationError while a group is
+        subscribed or entries are stored, unless ``force``. No SCAN: the ACL stays small.
+        """
+        groups = {g for d, g in await self.list_subscriptions() if d == spec.name}
+        entries = 0
+        for p in range(spec.partitions):
+            stream = self.keyspace.partition(spec.name, p).stream
+            groups |= {_text(info["name"]) for info in await self.stream_groups(stream)}
+            entries += int(await self.redis.xlen(stream))
+        if (groups or entries) and not force:
+            raise ConfigurationError(
+                f"{spec.name!r} still has {len(groups)} consumer group(s) ({', '.join(sorted(groups)) or 'none'}) "
+                f"and {entries} stored entr{'y' if entries == 1 else 'ies'}: unsubscribe the groups and let them "
+                "drain first, or force the delete"
+            )
+        deleted = 0
+        for p in range(spec.partitions):
+            pkeys = self.keyspace.partition(spec.name, p)
+            keys = {pkeys.stream, pkeys.published}
+            for group in groups:
+                g = pkeys.group(group)
+                keys |= {g.redeliver, g.delayed, g.dlq, g.inbox, g.attempts}
+            deleted += int(await self.redis.delete(*sorted(keys)))
+            self._pkeys.pop((spec.name, p), None)
+        for group in groups:
+            await self.redis.hdel(self.keyspace.subscriptions, f"{spec.name}|{group}")
+        await self.redis.hdel(self.keyspace.destinations, spec.name)
+        self._specs.pop(spec.name, None)
+        return deleted
+
     # -- inspection helpers --------------------------------------------------------------------
 
     async def stream_groups(self, stream: str) -> list[dict[str, Any]]:
         """XINFO GROUPS of a stream as dicts with str keys ([] when the stream does not exist)."""
         try:
             reply = await self.redis.execute_command("XINFO GROUPS", stream)
+        except NoPermissionError:  # an ACL refusal is not "no such stream": say it
+            raise
         except ResponseError:
             return []
         groups = []

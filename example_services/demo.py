@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from broker import connect, resolve_url
+from broker import connect, default_data_dir, redact, resolve_url
 from broker.inspect import describe
 from framework import SyncClient
 from framework.dlq import DeadLetters
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     console.rule("[bold]framework demo: orders -> billing, with a worker killed mid-stream")
     url = resolve_url(args.redis_url)
     embedded = not (args.redis_url or os.environ.get("REDIS_URL"))
-    console.print(f"broker: {url}" + ("  (embedded Valkey, data in ./.framework/valkey, AOF on)" if embedded else ""))
+    where = f"  (embedded Valkey, data in {default_data_dir()}, AOF on)" if embedded else ""
+    console.print(f"broker: {redact(url)}{where}")
     delete_namespace(url, NAMESPACE)  # the demo's own keys only
     r = redis.Redis.from_url(url)
     r.delete(CHARGES_KEY, REVENUE_KEY)

@@ -1,7 +1,7 @@
 """The ``framework`` command: run services, inspect destinations, send messages, manage the server.
 
-Every sub-command takes ``--redis-url`` (default ``$REDIS_URL``, else the embedded Valkey in
-``./.framework/valkey``) and ``--namespace`` (default ``$FRAMEWORK_NAMESPACE`` or ``fw``). Errors
+Every sub-command takes ``--redis-url`` (default ``$REDIS_URL``, else the per-user embedded Valkey,
+see :func:`broker.default_data_dir`) and ``--namespace`` (default ``$FRAMEWORK_NAMESPACE`` or ``fw``). Errors
 are one line on stderr with exit status 2 (bad arguments) or 1 (the broker or the code failed).
 """
 
@@ -19,7 +19,7 @@ import anyio
 import orjson
 
 from broker import BrokerError, connect
-from framework.cli_args import positive_duration, positive_int
+from framework.cli_args import json_argument, log_level, positive_duration, positive_int
 from framework.logs import configure_logging, get_logger
 from framework.service import HandlerError, Service
 
@@ -49,6 +49,8 @@ def load_services(targets: Sequence[str]) -> list[Service]:
             raise UsageError(f"cannot import {module_name!r}: {exc}") from None
         except HandlerError as exc:
             raise UsageError(str(exc)) from None
+        except Exception as exc:  # SyntaxError included: one line with file:line, not a long traceback
+            raise UsageError(f"cannot import {module_name!r}: {_import_failure(exc)}") from None
         found = {k: v for k, v in vars(module).items() if isinstance(v, Service)}
         if not attr:
             if not found:
@@ -70,11 +72,40 @@ def load_services(targets: Sequence[str]) -> list[Service]:
     return list(unique.values())
 
 
+def _import_failure(exc: Exception) -> str:
+    """``Type at file:line: message`` for an exception raised while importing a user's module.
+
+    The line is the innermost frame outside the standard library, installed packages and the
+    framework itself: the user's code that raised (or called what raised).
+    """
+    import sysconfig
+    import traceback
+
+    if isinstance(exc, SyntaxError) and exc.filename:
+        where = f"{_short_path(exc.filename)}:{exc.lineno}" if exc.lineno else _short_path(exc.filename)
+        return f"{type(exc).__name__} at {where}: {exc.msg}"
+    skip = [sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    skip += [os.path.join(root, package) + os.sep for package in ("framework", "broker")]
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if not f.filename.startswith("<") and not f.filename.startswith(tuple(skip))]
+    frame = (mine or frames or [None])[-1]
+    where = f" at {_short_path(frame.filename)}:{frame.lineno}" if frame is not None else ""
+    return f"{type(exc).__name__}{where}: {exc}"
+
+
+def _short_path(path: str) -> str:
+    """``path`` relative to the working directory when it lies inside it."""
+    rel = os.path.relpath(path) if os.path.isabs(path) else path
+    return path if rel.startswith("..") else rel
+
+
 def _json_arg(text: str) -> Any:
+    """The JSON argument of a command: the JSON itself, ``-`` (stdin) or ``@FILE``."""
     try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        raise UsageError(f"payload is not valid JSON ({exc}): {text[:80]!r}") from None
+        return json_argument(text)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 # -- commands -------------------------------------------------------------------------------------------
@@ -217,6 +248,13 @@ def _cmd_produce(kind: str) -> Callable[[argparse.Namespace], int]:
 
         async def go() -> str | None:
             async with Client(args.redis_url, namespace=args.namespace) as client:
+                if not args.create:
+                    from broker.codec import check_body_size
+                    from framework.messages import build_envelope
+
+                    # an oversized body gets its own error first, whatever the destination
+                    check_body_size(build_envelope(args.destination, kind, payload)[0], client.broker.max_body_bytes)
+                    await _require_known(client.broker, args.destination, kind)
                 method = client.send if kind == "command" else client.publish
                 return await method(
                     args.destination, payload, key=args.key, type=args.type, idempotency_key=args.idempotency_key
@@ -235,19 +273,51 @@ def _cmd_produce(kind: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+async def _require_known(broker: Any, name: str, kind: str) -> None:
+    """Refuse a destination nobody declared (a typo would create one that nobody consumes).
+
+    Known means registered: by a running service (it declares what it consumes), by a producer
+    in code (``Client.send``/``publish`` declare on first use) or by ``--create``.
+    """
+    if await broker.get_destination(name) is not None:
+        return  # a kind mismatch is reported by the client, naming the right verb
+    import difflib
+
+    from redis.exceptions import NoPermissionError
+
+    noun = "queue" if kind == "command" else "topic"
+    try:
+        known = [s.name for s in await broker.list_destinations() if s.kind == kind]
+    except NoPermissionError:  # a producer's ACL need not list destinations (HGETALL)
+        raise UsageError(f"unknown {noun} {name!r}; pass --create to declare it") from None
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    listed = ", ".join(known[:20]) + (f" and {len(known) - 20} more" if len(known) > 20 else "") if known else "none"
+    raise UsageError(f"unknown {noun} {name!r}{hint}; known {noun}s: {listed}; pass --create to declare it")
+
+
 def _cmd_server(args: argparse.Namespace) -> int:
+    """Start, stop or show the per-user embedded Valkey; output never shows its password."""
     from broker.embedded import EmbeddedServer
 
     server = EmbeddedServer(args.data_dir)
     if args.action == "start":
-        url = server.ensure_running()
-        print(f"embedded Valkey running at {url} (data in {server.data_dir})")
+        server.ensure_running()
+        st = server.status()
+        print(
+            f"embedded Valkey running at redis://127.0.0.1:{st.port}/0 pid {st.pid} "
+            f"(data in {server.data_dir}; password in {server.data_dir / 'password'})"
+        )
     elif args.action == "stop":
         print("stopped" if server.stop() else f"not running (data dir {server.data_dir})")
     else:
         st = server.status()
         if st.running:
-            print(f"running: {st.url} pid {st.pid} (data in {st.data_dir})")
+            print(f"running: {st.safe_url}")
+            print(f"data dir: {st.data_dir}")
+            print(f"pid: {st.pid}")
+            print(f"port: {st.port}")
+            print(f"password: in {st.data_dir / 'password'} (clients find it there)")
         else:
             print(f"not running (data dir {st.data_dir}); start it with `framework server start`")
             return 3
@@ -265,7 +335,9 @@ def _connection_options(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``framework`` command."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default=argparse.SUPPRESS, help="debug, info, warning, error (default: info)")
+    common.add_argument(
+        "--log-level", type=log_level, default=argparse.SUPPRESS, help="debug, info, warning, error (default: info)"
+    )
     common.add_argument(
         "--log-format",
         choices=("console", "json"),
@@ -310,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         const="",
         default=None,
         metavar="DATABASE_URL",
-        help="also run an outbox relay in this process (default database: $DATABASE_URL, else ./.framework/outbox.db)",
+        help="also run an outbox relay in this process (default: $DATABASE_URL, else $FRAMEWORK_HOME/outbox.db)",
     )
     _connection_options(run)
     run.set_defaults(func=_cmd_run)
@@ -324,7 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind, noun in (("send", "command", "queue"), ("publish", "event", "topic")):
         p = sub.add_parser(name, help=f"{name} one {kind} (JSON) to a {noun}")
         p.add_argument("destination", metavar=noun.upper())
-        p.add_argument("payload", metavar="JSON")
+        p.add_argument("payload", metavar="JSON", help="the body as JSON, or - to read it from stdin, or @FILE")
+        p.add_argument(
+            "--create",
+            action="store_true",
+            help=f"declare the {noun} if it does not exist (otherwise an unknown name is refused: typos)",
+        )
         p.add_argument("--key", default=None, help="partition/ordering key")
         p.add_argument("--type", default=None, help="payload type name recorded in the envelope")
         p.add_argument("--idempotency-key", default=None, help="drop repeats of this key within the dedup window")
@@ -333,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     server = sub.add_parser("server", help="manage the embedded Valkey server")
     server.add_argument("action", choices=("start", "stop", "status"))
-    server.add_argument("--data-dir", default=None, help="default: $FRAMEWORK_HOME/valkey or ./.framework/valkey")
+    server.add_argument("--data-dir", default=None, help="default: $FRAMEWORK_HOME/valkey")
     server.set_defaults(func=_cmd_server)
 
     _register_extensions(sub)
@@ -354,7 +431,9 @@ def _register_extensions(sub: Any) -> None:
 
 def _reportable() -> tuple[type[BaseException], ...]:
     """Errors shown as one line (no traceback): they say what was wrong and how to fix it."""
-    errors: tuple[type[BaseException], ...] = (BrokerError, HandlerError)
+    from redis.exceptions import NoPermissionError  # ACL refusals on connections broker.connect did not make
+
+    errors: tuple[type[BaseException], ...] = (BrokerError, HandlerError, NoPermissionError)
     try:
         from framework.sql import DatabaseUnavailable
     except ImportError:  # the sql extra is not installed
@@ -375,7 +454,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``framework`` and ``python -m framework``."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(getattr(args, "log_level", None), getattr(args, "log_format", None))
+    try:
+        configure_logging(getattr(args, "log_level", None), getattr(args, "log_format", None))
+    except ValueError as exc:  # FRAMEWORK_LOG_LEVEL/FORMAT (the options are checked by the parser)
+        print(f"framework {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         try:
             return int(args.func(args) or 0)

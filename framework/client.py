@@ -15,6 +15,8 @@ from typing import Any
 import anyio.from_thread
 
 from broker import COMMAND, EVENT, Envelope, RedisBroker, connect
+from broker.codec import check_body_size
+from broker.codec import max_body_bytes as max_body_setting
 from framework.messages import Outgoing, build_envelope
 from framework.service import Queue, Topic
 
@@ -44,15 +46,22 @@ class Client:
     """Async producer. ``async with Client() as c: await c.send("billing.refund", Refund(...))``.
 
     Without ``url``/``broker`` it connects like the runtime does: ``REDIS_URL``, else the
-    embedded server.
+    embedded server. ``max_body_bytes`` (default ``$FRAMEWORK_MAX_BODY_BYTES``, else 1 MiB):
+    a larger body raises :class:`~broker.errors.MessageTooLarge` and nothing is stored.
     """
 
     def __init__(
-        self, url: str | None = None, *, namespace: str | None = None, broker: RedisBroker | None = None
+        self,
+        url: str | None = None,
+        *,
+        namespace: str | None = None,
+        broker: RedisBroker | None = None,
+        max_body_bytes: int | None = None,
     ) -> None:
         self._url = url
         self._namespace = namespace
         self._broker = broker
+        self._max_body_bytes = max_body_setting(max_body_bytes) if max_body_bytes is not None else None
         self._owns = broker is None
         self._declared: set[str] = set()
 
@@ -67,6 +76,8 @@ class Client:
         """Connect now (otherwise the first publish does)."""
         if self._broker is None:
             self._broker = await connect(self._url, namespace=self._namespace)
+            if self._max_body_bytes is not None:
+                self._broker.max_body_bytes = self._max_body_bytes
         return self._broker
 
     @property
@@ -84,6 +95,9 @@ class Client:
 
     async def _publish(self, items: list[Outgoing], dedup_window_ms: int | None = None) -> list[str | None]:
         broker = await self.connect()
+        limit = self._max_body_bytes or broker.max_body_bytes
+        for env, _ in items:  # before anything is declared or sent
+            check_body_size(env, limit)
         for _, spec in items:
             if spec is not None and spec.name not in self._declared:
                 await broker.declare(spec)
@@ -178,10 +192,12 @@ class Client:
 class SyncClient:
     """Blocking producer for sync code: the same calls as :class:`Client`, run on a private event loop."""
 
-    def __init__(self, url: str | None = None, *, namespace: str | None = None) -> None:
+    def __init__(
+        self, url: str | None = None, *, namespace: str | None = None, max_body_bytes: int | None = None
+    ) -> None:
         self._cm = anyio.from_thread.start_blocking_portal()
         self._portal = self._cm.__enter__()
-        self._client = Client(url, namespace=namespace)
+        self._client = Client(url, namespace=namespace, max_body_bytes=max_body_bytes)
         try:
             self._portal.call(self._client.connect)
         except BaseException:

@@ -22,14 +22,16 @@ import anyio
 import attrs
 
 from broker import Delivery, EffectsFailed, GroupPartition, now_ms
+from framework.connectivity import healthy
 from framework.context import Context
 from framework.dead_letters import base_reason, exception_reason, poison_reason
 from framework.effects import AlreadyProcessed
+from framework.lanes import Batch
 from framework.logs import get_logger
 from framework.payloads import PayloadError
 from framework.retry import Decision, HandlerTimeout
 from framework.service import Handler
-from framework.supervisor import supervise
+from framework.supervisor import is_connection_error, supervise
 
 if TYPE_CHECKING:
     from framework.runtime import Runtime
@@ -128,6 +130,7 @@ class Consumer:
         self.stats = ConsumerStats()
         self._fetch_scopes: list[anyio.CancelScope] = []
         self._fetching = True
+        self._handed_over = False
         self._log = log.bind(service=handler.service, handler=handler.name, destination=handler.destination.name)
 
     # -- actor tree ------------------------------------------------------------------------------
@@ -146,7 +149,7 @@ class Consumer:
             tg.start_soon(supervise, f"{self.handler.label}.trim", self._every, settings.trim_interval, self._trim)
             if self.handler.timeout is not None:
                 every = min(1.0, self.handler.timeout / 4)
-                tg.start_soon(supervise, f"{self.handler.label}.watchdog", self._every, every, self._watch)
+                tg.start_soon(supervise, f"{self.handler.label}.watchdog", self._every_local, every, self._watch)
 
     async def _fetchers_guarded(self, state: _PartitionState, name: str) -> None:
         with anyio.CancelScope() as scope:
@@ -174,6 +177,7 @@ class Consumer:
     async def hand_over(self) -> int:
         """At shutdown: make what this consumer holds but does not run claimable by others at once."""
         idle_ms = int(self.runtime.settings.visibility_timeout * 1000) + 1
+        self._handed_over = True  # the extender must not touch the released entries again
         released = 0
         for state in self.states.values():
             running = [s.delivery.entry_id for s in state.slots if s.delivery is not None]
@@ -184,8 +188,17 @@ class Consumer:
 
     @staticmethod
     async def _every(interval: float, fn: Any, *args: Any) -> None:
+        """Run a broker duty every ``interval`` seconds; each pass that worked is progress."""
         while True:
             await fn(*args)
+            healthy()
+            await anyio.sleep(interval)
+
+    @staticmethod
+    async def _every_local(interval: float, fn: Any) -> None:
+        """Run a duty that needs no broker (the watchdog): it says nothing about connectivity."""
+        while True:
+            await fn()
             await anyio.sleep(interval)
 
     # -- fetching and dispatch ---------------------------------------------------------------------
@@ -197,6 +210,7 @@ class Consumer:
         after: dict[str, str] = {}
         while True:  # first our own pending entries: we are back after a crash or restart
             deliveries = await broker.read_own_pending(state.view, consumer, prefetch, after)
+            healthy()  # a broker round trip worked: progress (resets the restart backoff)
             fresh = [d for d in deliveries if d.entry_id not in state.held]
             if not deliveries:
                 break
@@ -213,6 +227,7 @@ class Consumer:
                     state.capacity = anyio.Event()
                     await state.capacity.wait()
                 deliveries = await broker.read(state.view, consumer, prefetch, block, channel=channel)
+                healthy()
                 if deliveries:  # what was read is dispatched even if fetching stops meanwhile
                     with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                         await self._admit(state, deliveries, channel)
@@ -234,6 +249,10 @@ class Consumer:
         held = state.held
         now = time.monotonic()
         by_lane: dict[int, list[Work]] = {}
+        keyless: list[Work] = []
+        isolated: list[tuple[Work, bool, Any]] = []  # (work, suspect, key): run one at a time
+        redelivered: list[tuple[Delivery, Any, Any]] = []  # (delivery, payload, key), once one is met
+        gates = lanes.gates
         poison: list[tuple[Delivery, dict[str, str]]] = []
         self.stats.fetched += len(deliveries)
         for d in deliveries:
@@ -257,15 +276,24 @@ class Consumer:
             except Exception as exc:
                 poison.append((d, poison_reason(handler, d, f"key function failed: {type(exc).__name__}: {exc}")))
                 continue
-            index = lanes.lane_for(scope, lane_key)
-            works = by_lane.get(index)
-            if works is None:
-                by_lane[index] = [(d, payload)]
+            if redelivered or d.delivery_count > 1:  # sorted below, once the redeliveries are counted
+                redelivered.append((d, payload, lane_key))
+            elif lane_key is None:
+                keyless.append((d, payload))
+            elif gates and lanes.gated(scope, lane_key):  # isolated work of this key runs first
+                isolated.append(((d, payload), False, lane_key))
             else:
-                works.append((d, payload))
+                index = lanes.lane_for(scope, lane_key)
+                works = by_lane.get(index)
+                if works is None:
+                    by_lane[index] = [(d, payload)]
+                else:
+                    works.append((d, payload))
         for d, reason in poison:
             await self._dead_letter(state, d, reason)
-        lanes.submit(self, state, by_lane)
+        if redelivered:
+            await self._sort_redeliveries(state, redelivered, by_lane, keyless, isolated)
+        lanes.submit(self, state, by_lane, keyless, isolated, scope)
 
     async def _check_inbox(self, state: _PartitionState, deliveries: list[Delivery], channel: Any) -> list[Delivery]:
         """Ack duplicates at once, leave messages leased elsewhere pending; return those to run."""
@@ -291,58 +319,74 @@ class Consumer:
 
     # -- processing (runs in lanes) -------------------------------------------------------------------
 
-    async def process(self, state: _PartitionState, works: Sequence[Work]) -> None:
-        """Run the handler for each work, in order, settling finished ones as it goes.
+    async def process(self, state: _PartitionState, batch: Batch) -> None:
+        """Take works from ``batch`` in order and run the handler for each, settling as it goes.
 
-        A finished message is acknowledged (after its staged messages are published) within
-        about ``ack_interval`` of finishing, not when the whole sub-batch is done, so a crash
-        re-runs as little finished work as possible. A handler past its timeout is cancelled by
-        the watchdog (:meth:`_watch`); its attempt fails and the lane goes on with the next work.
+        Several lanes may take from one keyless batch at once (see :mod:`framework.lanes`); each
+        settles what it ran. A finished message is acknowledged (after its staged messages are
+        published) within about ``ack_interval`` of finishing, not when the whole batch is done,
+        so a crash re-runs as little finished work as possible. A handler past its timeout is
+        cancelled by the watchdog (:meth:`_watch`); its attempt fails and the lane goes on with
+        the next work. A suspect batch (one redelivered message, isolated) is counted before it
+        runs and settled at once (:meth:`_run_suspect`).
         """
+        works = batch.works
         done = _Finished()
         slot = _Slot()
+        slot.index = -1  # the work this lane took and has not settled yet, if any
         state.slots.add(slot)
-        index = 0
         started = time.perf_counter()
         try:
-            while index < len(works):
+            more = True
+            while more:
                 with anyio.CancelScope() as scope:  # only handler runs await inside: the watchdog's handle
                     slot.scope = scope
-                    index = await self._process_from(state, works, index, slot, done)
+                    more = await self._process_from(state, batch, slot, done)
                 if scope.cancelled_caught:
                     d = works[slot.index][0]
                     if slot.delivery is d:  # the watchdog cut its handler short
                         await self._timed_out(state, d, slot)
                     else:  # a handler swallowed the cancellation, which then hit its settling: unknown state
                         self._forget(state, [d])  # pending: redelivered after the visibility timeout
-                    index = slot.index + 1
+                    more = True
                 await self._settle_finished(state, done)
-        except Exception as exc:  # a framework bug: unsettled works stay pending and are redelivered
-            log.error("processing failed; unsettled messages will be redelivered", exc_info=exc)
+                slot.index = -1
+        except Exception as exc:  # the broker unreachable, or a framework bug: unsettled works are redelivered
+            if is_connection_error(exc):
+                self._log.warning("broker unreachable while settling; unsettled messages will be redelivered")
+            else:
+                log.error("processing failed; unsettled messages will be redelivered", exc_info=exc)
             finished = {id(d) for d in done.deliveries}  # settled below; earlier ones are settled already
-            self._forget(state, [d for d, _ in works[index:] if id(d) not in finished])
+            current = [works[slot.index][0]] if slot.index >= 0 else []
+            rest, batch.next = works[batch.next :], len(works)  # not taken by any lane: given up too
+            self._forget(state, [d for d in current + [d for d, _ in rest] if id(d) not in finished])
         finally:
             slot.delivery = None
             state.slots.discard(slot)
             self.stats.handler_seconds += time.perf_counter() - started
         await self._settle_finished(state, done)
 
-    async def _process_from(
-        self, state: _PartitionState, works: Sequence[Work], start: int, slot: _Slot, done: _Finished
-    ) -> int:
-        """Run works from ``start`` on; return the index to go on from: the end, or earlier once
-        finished runs have waited ``ack_interval`` to be settled (raises if cancelled)."""
+    async def _process_from(self, state: _PartitionState, batch: Batch, slot: _Slot, done: _Finished) -> bool:
+        """Take and run works of ``batch``; return False when none is left, True once finished runs
+        have waited ``ack_interval`` to be settled (raises if cancelled)."""
         interval = self.runtime.settings.ack_interval
         run = self._run
         clock = time.monotonic
+        works = batch.works
+        count = len(works)
+        suspect = batch.suspect
         began = clock()
-        for index in range(start, len(works)):
+        while True:
+            index = batch.next
+            if index >= count:
+                return False
+            batch.next = index + 1  # taken: no other lane runs it
             d, payload = works[index]
             slot.index = index
-            if d.delivery_count == 1:
-                ctx = await run(state, d, payload, d.envelope.attempt, slot)  # type: ignore[union-attr]
-            else:
+            if suspect:
                 ctx = await self._run_suspect(state, d, payload, slot)
+            else:
+                ctx = await run(state, d, payload, d.attempt, slot)
             ended = clock()
             if ctx is not None and ctx is not _SETTLED:
                 if not done.deliveries:
@@ -355,9 +399,8 @@ class Consumer:
                 # Settle now when finished runs waited long enough, or when this run was slow: the
                 # next one likely is too, and a finished message must not wait for it.
                 if ended - done.since >= interval or ended - began >= interval:
-                    return index + 1
+                    return True
             began = ended
-        return len(works)
 
     async def _settle_finished(self, state: _PartitionState, done: _Finished) -> None:
         """Publish what finished handlers staged, then queue their acks (one flush for many)."""
@@ -498,59 +541,127 @@ class Consumer:
         self._forget(state, [d])
         return _SETTLED
 
-    async def _run_suspect(self, state: _PartitionState, d: Delivery, payload: Any, slot: _Slot) -> Any:
-        """Run a redelivered message alone in the process (see :meth:`_count_redelivery`).
+    async def _sort_redeliveries(
+        self,
+        state: _PartitionState,
+        items: list[tuple[Delivery, Any, Any]],
+        by_lane: dict[int, list[Work]],
+        keyless: list[Work],
+        isolated: list[tuple[Work, bool, Any]],
+    ) -> None:
+        """Count redelivered messages and sort them (with any fresh ones among ``items``) into work.
 
-        Redelivered messages are suspects: one of them may be what killed the last worker. Run
-        one at a time, a message that crashes its worker takes down no other suspect with it,
-        so only the culprit's count of started runs grows towards its ``max_attempts``.
+        The crash-loop rule: a message whose worker died while holding it is redelivered. Its
+        first redelivered run is counted here, for a whole fetch in one round trip, and it runs
+        like fresh work (concurrently): most redelivered messages are bystanders of a crash, not
+        its cause. A message whose counter shows an earlier redelivered run that never completed
+        is a *suspect*: it runs isolated (one suspect at a time in the process, on an isolation
+        lane beside the others, see :mod:`framework.lanes`), counted again just before it starts
+        (:meth:`_count_redelivery`), so a message that kills every worker is dead-lettered after
+        ``max_attempts`` runs while the suspects queued behind it are not charged for its crashes.
+        Work with a suspect's key is isolated behind it, keeping per-key order.
+
+        With ``max_attempts`` below 3 every redelivery is a suspect (the old one-at-a-time rule):
+        a bystander held through two crashes would otherwise reach the limit without ever
+        having run alone.
         """
-        async with self.runtime.suspect_lock:
-            if not await self._count_redelivery(state, d):
-                return None
-            ctx = await self._run(state, d, payload, d.attempt, slot)
-            if ctx is None or ctx is _SETTLED:
-                return ctx
-            # Settle before the next suspect starts: if that one kills the process, this one's
-            # success is already durable and is not counted against it.
-            if ctx._outgoing:
-                await self.runtime.publish_outgoing(ctx._outgoing)
-            await self.runtime.broker.ack(state.view, [d], inbox=self.handler.inbox)
-            if not ctx._duplicate:  # a duplicate was counted when it was found
-                self.stats.processed += 1
-            self._forget(state, [d])
-            return _SETTLED
+        max_attempts = self.handler.retry.max_attempts
+        candidates = [d for d, _, _ in items if d.delivery_count > 1]
+        first: dict[int, bool] = {}
+        if candidates and max_attempts >= 3:
+            try:
+                flags = await self.runtime.broker.count_first_redeliveries(candidates)
+            except Exception as exc:
+                self._log_unsettled("could not count redeliveries; they stay pending", exc, count=len(candidates))
+                self._forget(state, candidates)
+                dropped = {id(d) for d in candidates}
+                items = [item for item in items if id(item[0]) not in dropped]
+            else:
+                first = {id(d): flag for d, flag in zip(candidates, flags, strict=True)}
+        kept: list[tuple[Delivery, Any, Any, bool]] = []
+        for d, payload, key in items:
+            suspect = False
+            if d.delivery_count > 1:
+                if first.get(id(d), False):  # its first redelivered run, counted just now
+                    assert d.envelope is not None
+                    attempt = d.envelope.attempt + 1
+                    if attempt > max_attempts:
+                        await self._dead_letter(state, d, self._crash_loop_reason(d, attempt))
+                        continue
+                    d.delivery_count = 2  # so d.attempt is this run's attempt number
+                else:
+                    suspect = True
+            kept.append((d, payload, key, suspect))
+        lanes = self.runtime.lanes
+        scope = self.scope
+        suspect_keys = {key for _, _, key, suspect in kept if suspect and key is not None}
+        for d, payload, key, suspect in kept:
+            work = (d, payload)
+            if suspect:
+                isolated.append((work, True, key))
+            elif key is None:
+                keyless.append(work)
+            elif key in suspect_keys or lanes.gated(scope, key):
+                isolated.append((work, False, key))
+            else:
+                by_lane.setdefault(lanes.lane_for(scope, key), []).append(work)
+
+    async def _run_suspect(self, state: _PartitionState, d: Delivery, payload: Any, slot: _Slot) -> Any:
+        """Run a suspect (see :meth:`_sort_redeliveries`): counted first, settled at once.
+
+        The lane pool runs one suspect at a time in the process, so a message that crashes its
+        worker takes down no other suspect with it: only the culprit's count of started runs
+        grows towards its ``max_attempts``.
+        """
+        if not await self._count_redelivery(state, d):
+            return None
+        ctx = await self._run(state, d, payload, d.attempt, slot)
+        if ctx is None or ctx is _SETTLED:
+            return ctx
+        # Settle before the next suspect starts: if that one kills the process, this one's
+        # success is already durable and is not counted against it.
+        if ctx._outgoing:
+            await self.runtime.publish_outgoing(ctx._outgoing)
+        await self.runtime.broker.ack(state.view, [d], inbox=self.handler.inbox)
+        if not ctx._duplicate:  # a duplicate was counted when it was found
+            self.stats.processed += 1
+        self._forget(state, [d])
+        return _SETTLED
 
     async def _count_redelivery(self, state: _PartitionState, d: Delivery) -> bool:
-        """Count a redelivered message's run; dead-letter it instead when it keeps killing workers.
+        """Count a suspect's run just before it starts; dead-letter it instead when it keeps killing workers.
 
         The delivery count also rises for messages fetched by a worker that died before it ran
-        them, so it cannot tell a crash loop on its own: runs of redelivered messages are counted
-        in Redis just before they start (first deliveries are not, which saves a write per message,
-        so a first delivery a worker died holding counts as one attempt, whether it started or not).
+        them, so it cannot tell a crash loop on its own: redelivered runs are counted in Redis
+        (first deliveries are not, which saves a write per message, so a first delivery a worker
+        died holding counts as one attempt, whether it started or not; so does a first
+        redelivery, counted when it is fetched, see :meth:`_sort_redeliveries`).
         Sets ``d.delivery_count`` to the attempt number this run has.
         """
         assert d.envelope is not None
         try:
             runs = await self.runtime.broker.count_attempt(d)
         except Exception as exc:
-            self._log.error("could not count a redelivery; it stays pending", message_id=d.message_id, exc_info=exc)
+            self._log_unsettled("could not count a redelivery; it stays pending", exc, message_id=d.message_id)
             self._forget(state, [d])
             return False
         attempt = d.envelope.attempt + runs
-        max_attempts = self.handler.retry.max_attempts
-        if attempt > max_attempts:
-            reason = poison_reason(
-                self.handler,
-                d,
-                f"delivered {attempt - 1} times (max_attempts {max_attempts}) without completing: "
-                "the worker holding it crashed or stalled past the visibility timeout each time",
-                attempts=attempt - 1,
-            )
-            await self._dead_letter(state, d, reason)
+        if attempt > self.handler.retry.max_attempts:
+            await self._dead_letter(state, d, self._crash_loop_reason(d, attempt))
             return False
         d.delivery_count = attempt - d.envelope.attempt + 1  # so d.attempt is this run's attempt number
         return True
+
+    def _crash_loop_reason(self, d: Delivery, attempt: int) -> dict[str, str]:
+        """The dead-letter reason of a message redelivered past ``max_attempts`` (``attempt`` is the next)."""
+        max_attempts = self.handler.retry.max_attempts
+        return poison_reason(
+            self.handler,
+            d,
+            f"delivered {attempt - 1} times (max_attempts {max_attempts}) without completing: "
+            "the worker holding it crashed or stalled past the visibility timeout each time",
+            attempts=attempt - 1,
+        )
 
     def abandon(self, state: _PartitionState, works: Sequence[Work]) -> None:
         """Forget works after an internal error; they stay pending and are claimed again later."""
@@ -567,6 +678,14 @@ class Consumer:
             if state.held.pop(d.entry_id, None) is not None:
                 state.in_flight -= 1
         state.capacity.set()
+
+    def _log_unsettled(self, what: str, exc: BaseException, **fields: Any) -> None:
+        """Log a broker call that failed: one warning line for a lost connection (the
+        connectivity log says the rest), an error with the traceback for anything else."""
+        if is_connection_error(exc):
+            self._log.warning(what, error=f"{type(exc).__name__}: {exc}", **fields)
+        else:
+            self._log.error(what, exc_info=exc, **fields)
 
     def _log_failure(self, d: Delivery, attempt: int, exc: BaseException, decision: Decision) -> None:
         what = {
@@ -647,6 +766,7 @@ class Consumer:
             if len(state.ack_buffer) < 1000:
                 await anyio.sleep(interval)  # let more acks join this call
             await self._flush(state)
+            healthy()
 
     async def _flush(self, state: _PartitionState) -> None:
         async with state.ack_lock:
@@ -680,7 +800,11 @@ class Consumer:
         deliveries = await self.runtime.broker.claim_idle(
             state.view, self.runtime.consumer_name, int(settings.visibility_timeout * 1000), settings.prefetch
         )
-        fresh = [d for d in deliveries if d.entry_id not in state.held]
+        held = state.held
+        fresh = [d for d in deliveries if d.entry_id not in held]
+        for d in deliveries:  # held here and ours again (taken, then claimed back): extend it again
+            if d.entry_id in held and held[d.entry_id][1] == math.inf:
+                held[d.entry_id] = (held[d.entry_id][0], time.monotonic())
         if fresh:
             self._log.info(
                 "claimed entries idle past the visibility timeout", partition=state.view.partition, count=len(fresh)
@@ -688,14 +812,33 @@ class Consumer:
             await self._admit(state, fresh)
 
     async def _extend(self, state: _PartitionState) -> None:
+        """Keep every entry held here longer than an extend interval from being claimed.
+
+        Entries settled while the call was on its way (an ack in flight) are no longer pending:
+        that is not a take-over. Entries pending under another consumer were claimed (this process
+        stalled past the visibility timeout): they are logged once and no longer extended. They
+        stay held, so the fetcher's budget stays right and this process does not claim them back
+        while its own copy is queued or running; that copy's settlement settles the entry.
+        """
+        if self._handed_over:
+            return
         horizon = time.monotonic() - self.runtime.settings.extend_interval
         old = [d for d, t in list(state.held.values()) if t < horizon]
         if old:
             lease_ms = int(self.runtime.settings.visibility_timeout * 1000)
-            owned = await self.runtime.broker.extend(state.view, self.runtime.consumer_name, old, lease_ms=lease_ms)
-            lost = len(old) - len(owned)
-            if lost:
-                self._log.warning("entries were claimed by another consumer while held here", count=lost)
+            found = await self.runtime.broker.extend(state.view, self.runtime.consumer_name, old, lease_ms=lease_ms)
+            if found.taken:
+                held = state.held
+                taken = [d for d in old if d.entry_id in found.taken]
+                for d in taken:
+                    if d.entry_id in held:  # never "old" again: not extended, not logged again
+                        held[d.entry_id] = (held[d.entry_id][0], math.inf)
+                self._log.warning(
+                    "entries were claimed by another consumer while held here",
+                    partition=state.view.partition,
+                    count=len(taken),
+                    message_ids=[d.message_id for d in taken[:10]],
+                )
 
     async def _move_due(self, state: _PartitionState) -> None:
         await self.runtime.broker.move_due(state.view, now_ms())

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from broker import COMMAND, EVENT, Delivery, Envelope, derive_id
+from broker.codec import check_body_size
 from broker.headers import CAUSATION_ID, CORRELATION_ID
 from framework.effects import RedisEffects, sql_transaction
 from framework.logs import get_logger
@@ -191,6 +192,9 @@ class Context:
             type=type,  # type: ignore[arg-type]
             message_id=message_id,
         )
+        limit = getattr(self._broker, "max_body_bytes", None)
+        if limit is not None:  # refused when staged, not when the run settles: the handler sees why
+            check_body_size(out[0], limit)
         self._outgoing.append(out)
         return _Staged(message_id)
 

@@ -1,33 +1,69 @@
-"""Per-key lanes: the process's fixed set of worker loops that run handlers.
+"""Lanes: the process's fixed set of worker loops that run handlers.
 
-A process has ``concurrency`` lanes; that is its global bound on handlers running at once. Work
-with a key always goes to the lane its key hashes to, so messages with one key run one at a time,
-in the order they were fetched; work without a key is spread round-robin. A lane takes whole
-sub-batches from its mailbox and calls handlers directly, one after another, so there is no task
-spawned per message. Mailboxes are bounded by the consumers' in-flight limits (``prefetch``):
-a consumer fetches more only when its earlier messages have been settled.
+A process has ``concurrency`` lanes; that is its global bound on handlers running at once. Work is
+queued in :class:`Batch` es, which a lane runs by calling handlers directly, one after another (no
+task is spawned per message):
+
+* work with a key goes to the lane its key hashes to, so messages with one key run one at a
+  time, in the order they were fetched;
+* work without a key needs no order: its batch goes to a shared queue, and every lane with
+  nothing of its own to do takes works from it one at a time, so no keyless message waits behind
+  a slow handler while a lane is free;
+* isolated work (redelivered messages that may be what killed a worker, see
+  :meth:`framework.consumer.Consumer._sort_redeliveries`) runs one work at a time in the whole
+  process on an isolation lane of its own, beside the others, so neither waiting for isolation
+  nor a slow isolated handler holds a lane other keys need (while one runs, the process runs up
+  to ``concurrency + 1`` handlers). Later works with the same key are isolated behind it
+  (``gated``), which keeps their order.
+
+Queues are bounded by the consumers' in-flight limits (``prefetch``): a consumer fetches more
+only when its earlier messages have been settled.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, Protocol
 
 import anyio
 
 from framework.logs import get_logger
 
-__all__ = ["LanePool", "Worker"]
+__all__ = ["Batch", "LanePool", "Worker"]
 
 log = get_logger("framework.lanes")
 
 
-class Worker(Protocol):
-    """What a lane runs: a consumer's processing of one sub-batch."""
+class Batch:
+    """Works of one consumer partition, taken in order through :attr:`next` by the lanes running it.
 
-    async def process(self, view: Any, works: Sequence[Any]) -> None:
-        """Handle and settle ``works``; must not raise for handler failures."""
+    A keyed batch is run by its one lane; a keyless batch by every lane that takes from it; an
+    isolated batch holds one work, and ``suspect`` says whether that one needs counting first.
+    """
+
+    __slots__ = ("done", "gate", "isolated", "next", "running", "suspect", "view", "worker", "works")
+
+    def __init__(
+        self, worker: Worker, view: Any, works: list[Any], *, suspect: bool = False, gate: Hashable = None
+    ) -> None:
+        self.worker = worker
+        self.view = view
+        self.works = works
+        self.next = 0  # index of the next work to take; a lane takes one by raising it
+        self.running = 0  # lanes running this batch now
+        self.done = False  # every work taken and every lane that took one has returned
+        self.isolated = False  # queued for isolation (set by the pool)
+        self.suspect = suspect
+        self.gate = gate  # (scope, key) this isolated work holds the order of, if keyed
+
+
+class Worker(Protocol):
+    """What a lane runs: a consumer's processing of a batch."""
+
+    async def process(self, view: Any, batch: Batch) -> None:
+        """Take works from ``batch`` (raising ``batch.next``) until none is left; handle and settle
+        each; must not raise for handler failures."""
         ...
 
     def abandon(self, view: Any, works: Sequence[Any]) -> None:
@@ -39,7 +75,7 @@ class _Lane:
     __slots__ = ("mailbox", "wakeup")
 
     def __init__(self) -> None:
-        self.mailbox: deque[tuple[Worker, Any, list[Any]]] = deque()
+        self.mailbox: deque[Batch] = deque()
         self.wakeup = anyio.Event()
 
 
@@ -51,28 +87,60 @@ class LanePool:
             raise ValueError("concurrency must be at least 1")
         self.size = size
         self._lanes = [_Lane() for _ in range(size)]
-        self._next = 0
-        self._queued = 0  # sub-batches queued or running
+        self._keyless: deque[Batch] = deque()  # shared by every lane
+        self._isolated: deque[Batch] = deque()  # one work each, run one at a time by the isolation lane
+        self._isolation = _Lane()  # its wakeup is set when isolated work is queued
+        self.gates: dict[Hashable, int] = {}  # (scope, key) -> isolated works of that key not finished
+        self._queued = 0  # batches queued or running
         self._idle = anyio.Event()
         self._idle.set()
 
-    def lane_for(self, scope: int, key: str | None) -> int:
-        """The lane of a message: fixed for (scope, key); round-robin without a key."""
-        if key is None:
-            self._next = (self._next + 1) % self.size
-            return self._next
+    def lane_for(self, scope: int, key: Hashable) -> int:
+        """The lane of keyed work: fixed for (scope, key)."""
         return hash((scope, key)) % self.size
 
-    def submit(self, worker: Worker, view: Any, by_lane: dict[int, list[Any]]) -> None:
-        """Queue sub-batches: ``by_lane`` maps a lane number to the works it gets, in order."""
+    def gated(self, scope: int, key: Hashable) -> bool:
+        """Whether isolated work of this key is queued or running: later work of the key must follow it."""
+        return bool(self.gates) and (scope, key) in self.gates
+
+    def submit(
+        self,
+        worker: Worker,
+        view: Any,
+        by_lane: dict[int, list[Any]],
+        keyless: list[Any] | None = None,
+        isolated: Iterable[tuple[Any, bool, Hashable]] = (),
+        scope: int = 0,
+    ) -> None:
+        """Queue work: ``by_lane`` maps a lane number to its keyed works in order; ``keyless`` works
+        go to any free lane; ``isolated`` is (work, suspect, key or None) in order, run one at a time."""
+        count = 0
         for index, works in by_lane.items():
             lane = self._lanes[index]
-            lane.mailbox.append((worker, view, works))
+            lane.mailbox.append(Batch(worker, view, works))
             lane.wakeup.set()
-        if by_lane:
+            count += 1
+        wake = False
+        if keyless:
+            self._keyless.append(Batch(worker, view, keyless))
+            count += 1
+            wake = True
+        for work, suspect, key in isolated:
+            gate = None if key is None else (scope, key)
+            if gate is not None:
+                self.gates[gate] = self.gates.get(gate, 0) + 1
+            batch = Batch(worker, view, [work], suspect=suspect, gate=gate)
+            batch.isolated = True
+            self._isolated.append(batch)
+            self._isolation.wakeup.set()
+            count += 1
+        if wake:
+            for lane in self._lanes:
+                lane.wakeup.set()
+        if count:
             if self._queued == 0:
                 self._idle = anyio.Event()
-            self._queued += len(by_lane)
+            self._queued += count
 
     @property
     def busy(self) -> bool:
@@ -89,21 +157,53 @@ class LanePool:
         async with anyio.create_task_group() as tg:
             for lane in self._lanes:
                 tg.start_soon(self._run_lane, lane)
+            tg.start_soon(self._run_lane, self._isolation)
+
+    def _next_batch(self, lane: _Lane) -> Batch | None:
+        """What ``lane`` runs next: its own keyed work, then keyless (the isolation lane: isolated work)."""
+        if lane is self._isolation:
+            return self._isolated.popleft() if self._isolated else None
+        if lane.mailbox:
+            return lane.mailbox.popleft()
+        shared = self._keyless
+        while shared:
+            batch = shared[0]
+            if batch.next < len(batch.works):
+                return batch  # stays queued: other free lanes take from it too
+            shared.popleft()  # every work taken; the lanes running it finish it
+        return None
 
     async def _run_lane(self, lane: _Lane) -> None:
-        mailbox = lane.mailbox
         while True:
-            if not mailbox:
+            batch = self._next_batch(lane)
+            if batch is None:
                 lane.wakeup = anyio.Event()
                 await lane.wakeup.wait()
                 continue
-            worker, view, works = mailbox.popleft()
+            batch.running += 1
             try:
-                await worker.process(view, works)
+                await batch.worker.process(batch.view, batch)
             except Exception as exc:  # a framework bug, not a handler failure: keep the lane alive
                 log.error("lane failed while processing a batch; its messages will be redelivered", exc_info=exc)
-                worker.abandon(view, works)
+                rest, batch.next = batch.works[batch.next :], len(batch.works)
+                batch.worker.abandon(batch.view, rest)
             finally:
-                self._queued -= 1
-                if self._queued == 0:
-                    self._idle.set()
+                batch.running -= 1
+                self._finished(batch)
+
+    def _finished(self, batch: Batch) -> None:
+        """Account for a lane returning from ``batch``; the batch is done once no work is left in it."""
+        if batch.done or batch.running or batch.next < len(batch.works):
+            return
+        batch.done = True
+        if batch.isolated:
+            gate = batch.gate
+            if gate is not None:
+                left = self.gates[gate] - 1
+                if left:
+                    self.gates[gate] = left
+                else:
+                    del self.gates[gate]
+        self._queued -= 1
+        if self._queued == 0:
+            self._idle.set()

@@ -3,7 +3,8 @@
 Every record about a message carries ``message_id``, ``service``, ``handler`` and ``attempt``.
 ``FRAMEWORK_LOG_LEVEL`` (default ``info``) and ``FRAMEWORK_LOG_FORMAT`` (``console`` or ``json``)
 choose the level and format; :func:`configure_logging` is called by the CLI, not on import, so
-applications embedding the framework keep their own structlog configuration.
+applications embedding the framework keep their own structlog configuration. An unknown level or
+format is refused with a ValueError naming the valid ones (a typo must not silently log at info).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import sys
 
 import structlog
 
-__all__ = ["configure_logging", "get_logger"]
+__all__ = ["LEVELS", "configure_logging", "get_logger", "level_number"]
+
+LEVELS = ("debug", "info", "warning", "error")
+_FORMATS = ("console", "json")
 
 
 def get_logger(name: str = "framework") -> structlog.typing.FilteringBoundLogger:
@@ -22,13 +26,27 @@ def get_logger(name: str = "framework") -> structlog.typing.FilteringBoundLogger
     return structlog.get_logger(name=name)  # type: ignore[no-any-return]
 
 
+def level_number(name: str, *, source: str = "log level") -> int:
+    """The ``logging`` number of a level name in :data:`LEVELS` (any case); ValueError otherwise."""
+    if name.strip().lower() not in LEVELS:
+        raise ValueError(f"unknown {source} {name!r}: use one of {', '.join(LEVELS)}")
+    return int(getattr(logging, name.strip().upper()))
+
+
 def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
-    """Configure structlog for a process run by the CLI."""
-    level_name = (level or os.environ.get("FRAMEWORK_LOG_LEVEL") or "info").upper()
-    numeric = logging.getLevelName(level_name)
-    if not isinstance(numeric, int):
-        numeric = logging.INFO
-    fmt = fmt or os.environ.get("FRAMEWORK_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
+    """Configure structlog for a process run by the CLI; ValueError for an unknown level or format.
+
+    ``level``/``fmt`` win over ``FRAMEWORK_LOG_LEVEL``/``FRAMEWORK_LOG_FORMAT``.
+    """
+    if level:
+        numeric = level_number(level)
+    else:
+        numeric = level_number(os.environ.get("FRAMEWORK_LOG_LEVEL") or "info", source="FRAMEWORK_LOG_LEVEL")
+    if not fmt and os.environ.get("FRAMEWORK_LOG_FORMAT"):
+        fmt = os.environ["FRAMEWORK_LOG_FORMAT"].strip().lower()
+        if fmt not in _FORMATS:
+            raise ValueError(f"unknown FRAMEWORK_LOG_FORMAT {fmt!r}: use one of {', '.join(_FORMATS)}")
+    fmt = fmt or ("console" if sys.stderr.isatty() else "json")
     renderer: structlog.typing.Processor
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()

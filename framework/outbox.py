@@ -34,6 +34,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from broker import COMMAND, EVENT, DestinationSpec, Envelope, Kind, validate_name
+from broker.codec import check_body_size, max_body_bytes
 from framework.messages import Outgoing, build_envelope
 from framework.outbox_relay import OutboxRelay
 from framework.outbox_schema import (
@@ -127,14 +128,18 @@ async def stage(conn: AsyncConnection, messages: Sequence[Envelope | Outgoing]) 
     Never commits. A message id already in the table is not added again, so staging the same
     derived ids twice is harmless. On PostgreSQL this waits while another open transaction holds
     messages of one of these keys (per-key commit order); keys are locked in a fixed order.
+    A body over the maximum size (``$FRAMEWORK_MAX_BODY_BYTES``, else 1 MiB) raises
+    :class:`~broker.errors.MessageTooLarge` before anything is written: the relay could not publish it.
     """
     if not messages:
         return
     dialect = _dialect(conn)
     rows = []
     keys: set[str] = set()
+    limit = max_body_bytes()
     for item in messages:
         env, spec = (item, None) if isinstance(item, Envelope) else item
+        check_body_size(env, limit)
         rows.append(_row(env, spec))
         if env.key is not None:
             keys.add(env.key)

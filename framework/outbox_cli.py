@@ -274,7 +274,7 @@ def _database_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--database-url",
         default=None,
-        help="postgresql://... or sqlite:///file.db (default: $DATABASE_URL, else ./.framework/outbox.db)",
+        help="postgresql://... or sqlite:///file.db (default: $DATABASE_URL, else $FRAMEWORK_HOME/outbox.db)",
     )
 
 

@@ -22,6 +22,8 @@ from typing import Literal
 
 import attrs
 
+from broker.errors import MessageTooLarge
+
 __all__ = ["Decision", "HandlerTimeout", "RetryAfter", "RetryPolicy"]
 
 
@@ -88,9 +90,11 @@ class RetryPolicy:
         return random.uniform(0, cap) if self.jitter else cap
 
     def is_fatal(self, exc: BaseException) -> bool:
-        """Whether ``exc`` is never retried."""
+        """Whether ``exc`` is never retried (a message over the size limit would be as large again)."""
         if isinstance(exc, RetryAfter):
             return False
+        if isinstance(exc, MessageTooLarge):
+            return True
         return isinstance(exc, self.fatal) or not isinstance(exc, self.retry_on)
 
     def decide(self, attempt: int, exc: BaseException) -> Decision:

@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from broker import DestinationSpec, RedisBroker, connect
+from broker import DestinationSpec, RedisBroker, connect, redact
 from broker.inspect import group_state
 from framework.consumer import Consumer
 from framework.identity import ConsumerIdentity
@@ -29,6 +29,7 @@ from framework.logs import get_logger
 from framework.messages import Outgoing
 from framework.service import HandlerError, Service
 from framework.settings import RuntimeSettings
+from framework.supervisor import is_connection_error
 
 __all__ = ["Runtime"]
 
@@ -93,7 +94,6 @@ class Runtime:
         try:
             self.lanes = LanePool(self.settings.concurrency)
             self.thread_limiter = anyio.CapacityLimiter(self.settings.concurrency)
-            self.suspect_lock = anyio.Lock()  # redelivered messages run one at a time (crash-loop isolation)
             await self._check_orphan_subscriptions()
             self.consumers = []
             for service in self.services:
@@ -105,7 +105,7 @@ class Runtime:
                 services=[s.name for s in self.services],
                 handlers=len(self.consumers),
                 consumer=self.consumer_name,
-                broker=self.broker.url,
+                broker=redact(self.broker.url),  # never the password
                 namespace=self.broker.namespace,
                 concurrency=self.settings.concurrency,
                 prefetch=self.settings.prefetch,
@@ -178,13 +178,27 @@ class Runtime:
             left = sum(c.in_flight for c in self.consumers)
             log.warning("shutdown timeout: unfinished messages will be redelivered", unfinished=left)
         handed_over = 0
-        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-            for consumer in self.consumers:
-                await consumer.flush_acks()
-            # Entries fetched but not run (a read cut short, a handler past the timeout) stay
-            # pending: let live consumers claim them now rather than after the visibility timeout.
-            for consumer in self.consumers:
-                handed_over += await consumer.hand_over()
+        # Acks and the hand-over take what is left of shutdown_timeout (at least 1 s, at most 10 s):
+        # with the broker unreachable they would wait for their command timeouts, past the bound.
+        budget = min(10.0, max(1.0, started + self.settings.shutdown_timeout - time.monotonic()))
+        unreachable: BaseException | None = None
+        with anyio.CancelScope(shield=True), anyio.move_on_after(budget) as settle:
+            try:
+                for consumer in self.consumers:
+                    await consumer.flush_acks()
+                # Entries fetched but not run (a read cut short, a handler past the timeout) stay
+                # pending: let live consumers claim them now rather than after the visibility timeout.
+                for consumer in self.consumers:
+                    handed_over += await consumer.hand_over()
+            except Exception as exc:
+                if not is_connection_error(exc):
+                    raise
+                unreachable = exc
+        if settle.cancelled_caught or unreachable is not None:
+            log.warning(
+                "shutdown: the broker did not answer; unsettled entries stay pending and are redelivered",
+                error=str(unreachable or f"no reply within {budget:g} s"),
+            )
         if handed_over:
             log.info("handed over unfinished entries to other consumers", entries=handed_over)
         if self.relay is not None:

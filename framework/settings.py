@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 __all__ = ["RuntimeSettings"]
+
+_DURATIONS = (
+    "visibility_timeout",
+    "ack_interval",
+    "shutdown_timeout",
+    "trim_interval",
+    "retry_interval",
+    "inbox_window",
+)
 
 
 @attrs.frozen
@@ -38,6 +49,10 @@ class RuntimeSettings:
     inbox_window: float = 7 * 24 * 3600.0
 
     def __attrs_post_init__(self) -> None:
+        for name in _DURATIONS:  # nan passes every comparison below (a nan lease crashes every task)
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
         if self.concurrency < 1 or self.prefetch < 1:
             raise ValueError("concurrency and prefetch must be at least 1")
         if self.visibility_timeout <= 0.1:

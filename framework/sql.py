@@ -2,7 +2,7 @@
 
 PostgreSQL is reached through psycopg 3 and SQLite through aiosqlite, both under SQLAlchemy 2
 (asyncio). Without a URL and ``DATABASE_URL`` the default is a SQLite file,
-``$FRAMEWORK_HOME/outbox.db`` or ``./.framework/outbox.db``.
+``outbox.db`` in the per-user framework home (``$FRAMEWORK_HOME``, else ``~/.local/state/framework``).
 
 :func:`temporary_database` and :func:`embedded_postgres` serve tests and benchmarks: a fresh
 database on a server you point at (dropped afterwards), and a throw-away PostgreSQL server from the
@@ -47,9 +47,10 @@ class DatabaseUnavailable(Exception):
 
 
 def default_sqlite_path() -> Path:
-    """``$FRAMEWORK_HOME/outbox.db`` when set, else ``./.framework/outbox.db``."""
-    home = os.environ.get("FRAMEWORK_HOME")
-    return (Path(home) if home else Path(".framework")) / "outbox.db"
+    """``outbox.db`` in :func:`broker.framework_home` (``$FRAMEWORK_HOME`` or the per-user state directory)."""
+    from broker import framework_home
+
+    return framework_home() / "outbox.db"
 
 
 def resolve_url(url: str | None = None) -> URL:
@@ -114,7 +115,8 @@ def create_engine(url: str | None = None, **options: Any) -> AsyncEngine:
     resolved = resolve_url(url)
     if resolved.get_backend_name() == "sqlite":
         assert resolved.database is not None
-        Path(resolved.database).parent.mkdir(parents=True, exist_ok=True)
+        # the default file holds message bodies: its directory is for the user alone
+        Path(resolved.database).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         options.setdefault("connect_args", {}).setdefault("timeout", 30)
         engine = create_async_engine(resolved, **options)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)

@@ -37,7 +37,7 @@ class DataLossError(RuntimeError):
 class EventRange(InputPartition):
     """One Spark input partition: the entries ``(after, until]`` of one topic partition."""
 
-    url: str
+    url: str = dataclasses.field(repr=False)  # may carry a password: never printed
     stream: str
     topic: str
     partition: int

@@ -54,7 +54,7 @@ class ReadOptions:
 
     topics: tuple[str, ...]
     namespace: str
-    url: str | None
+    url: str | None = attrs.field(repr=False)  # may carry a password: never printed
     starting: Position | None  # None: the default of the read kind (streaming latest, batch earliest)
     ending: Position | None
     max_events_per_trigger: int | None

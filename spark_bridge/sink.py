@@ -75,7 +75,7 @@ log = logging.getLogger("spark_bridge")
 class SinkSettings:
     """Checked sink options (picklable: shipped to every task)."""
 
-    url: str
+    url: str = dataclasses.field(repr=False)  # may carry a password: never printed
     namespace: str
     topic: str | None
     type: str | None

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from broker import RedisBroker, connect
+from tests.workers import Workers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,6 +53,14 @@ def worker_env(redis_url: str, namespace: str, tmp_path: Path) -> Iterator[dict[
         FRAMEWORK_LOG_FORMAT="json",
     )
     yield env
+
+
+@pytest.fixture
+def workers(worker_env: dict[str, str], tmp_path: Path) -> Iterator[Workers]:
+    """Start worker processes in the test's server and namespace; whatever is left is killed after."""
+    w = Workers(worker_env, tmp_path)
+    yield w
+    w.stop_all()
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -17,11 +17,11 @@ from tests.conftest import run_cli
 
 
 def test_publish_send_and_status_json(worker_env: dict[str, str]) -> None:
-    out = run_cli("publish", "orders.placed", '{"order_id": "o-1"}', "--key", "o-1", env=worker_env)
+    out = run_cli("publish", "orders.placed", '{"order_id": "o-1"}', "--key", "o-1", "--create", env=worker_env)
     assert out.returncode == 0, out.stderr
     message_id = out.stdout.strip()
     assert len(message_id) == 36
-    assert run_cli("send", "billing.refund", '{"order_id": "o-1"}', env=worker_env).returncode == 0
+    assert run_cli("send", "billing.refund", '{"order_id": "o-1"}', "--create", env=worker_env).returncode == 0
     status = run_cli("status", "--json", env=worker_env)
     assert status.returncode == 0, status.stderr
     data = {d["name"]: d for d in json.loads(status.stdout)}
@@ -64,7 +64,7 @@ def test_an_unreachable_server_says_how_to_start_one(worker_env: dict[str, str])
 
 def test_dlq_commands_list_show_redrive_and_purge(worker_env: dict[str, str], redis_url: str, namespace: str) -> None:
     for n in range(3):
-        assert run_cli("send", "poison.jobs", json.dumps({"n": n}), env=worker_env).returncode == 0
+        assert run_cli("send", "poison.jobs", json.dumps({"n": n}), "--create", env=worker_env).returncode == 0
     worker = subprocess.Popen(
         [sys.executable, "-m", "framework", "run", "faultapp:poison"],
         env=worker_env,
@@ -84,8 +84,9 @@ def test_dlq_commands_list_show_redrive_and_purge(worker_env: dict[str, str], re
             worker.kill()
     listed = json.loads(run_cli("dlq", "list", "--json", env=worker_env).stdout)
     assert len(listed) == 3 and {d["group"] for d in listed} == {"poison"}
-    keep = run_cli("unsubscribe", "poison.jobs", "--group", "poison", env=worker_env)
-    assert keep.returncode == 2 and "holds 3 dead letter(s)" in keep.stderr  # not deleted silently
+    # the worker stopped just now (--force: it counts as alive for 2 minutes); without --yes: refused
+    keep = run_cli("unsubscribe", "poison.jobs", "--group", "poison", "--force", env=worker_env)
+    assert keep.returncode == 2 and "holds 3 dead letters" in keep.stderr, keep.stderr  # not deleted silently
     assert all(d["error_type"] == "builtins.ValueError" for d in listed)
     shown = run_cli("dlq", "show", listed[0]["message_id"], env=worker_env)
     assert shown.returncode == 0 and "rejected" in shown.stdout and "traceback" in shown.stdout
@@ -102,7 +103,7 @@ def test_python_dash_m_framework_is_the_same_command(worker_env: dict[str, str])
     module = run_cli("--help", env=worker_env)
     assert direct.returncode == module.returncode == 0
     assert direct.stdout.replace("framework", "") == module.stdout.replace("framework", "")
-    for sub in ("run", "status", "send", "publish", "server", "dlq", "unsubscribe"):
+    for sub in ("run", "status", "send", "publish", "server", "dlq", "unsubscribe", "delete"):
         assert sub in module.stdout
 
 
@@ -114,7 +115,7 @@ def test_embedded_server_commands(tmp_path: Path) -> None:
         started = run_cli("server", "start", env=env)
         assert started.returncode == 0 and "embedded Valkey running at redis://127.0.0.1:" in started.stdout
         assert "running: redis://" in run_cli("server", "status", env=env).stdout
-        sent = run_cli("send", "q", "{}", env=env)  # uses the embedded server without REDIS_URL
+        sent = run_cli("send", "q", "{}", "--create", env=env)  # uses the embedded server without REDIS_URL
         assert sent.returncode == 0, sent.stderr
     finally:
         assert run_cli("server", "stop", env=env).stdout.strip() == "stopped"

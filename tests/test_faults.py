@@ -7,63 +7,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
 
 from framework import Queue, SyncClient, Topic
+from tests.workers import Workers, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
 JOBS = Queue("jobs", partitions=2)  # as declared by tests/apps/faultapp.py
 LEDGER = Topic("ledger", partitions=2)
-
-
-class Workers:
-    """Starts `python -m framework run` workers and cleans them up."""
-
-    def __init__(self, env: dict[str, str], tmp: Path) -> None:
-        self.env = env
-        self.tmp = tmp
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, target: str, consumer: str, *extra: str, **env: str) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{consumer}.log", "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "framework", "run", target, "--consumer", consumer, *extra],
-            env={**self.env, **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        self.procs.append(proc)
-        return proc
-
-    def log(self, consumer: str) -> str:
-        return (self.tmp / f"{consumer}.log").read_text(errors="replace")
-
-    def stop_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-@pytest.fixture
-def workers(worker_env: dict[str, str], tmp_path: Path) -> Iterator[Workers]:
-    w = Workers(worker_env, tmp_path)
-    yield w
-    w.stop_all()
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_sigkill_mid_batch_loses_nothing_and_another_worker_takes_over(

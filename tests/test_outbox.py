@@ -639,7 +639,8 @@ async def test_relay_rides_out_a_broker_outage(
     proxy = TcpProxy(parts.hostname or "127.0.0.1", parts.port)
     async with anyio.create_task_group() as tg:
         await proxy.start(tg)
-        proxied = await connect(f"redis://127.0.0.1:{proxy.port}{parts.path or ''}", namespace=namespace)
+        auth = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""  # the embedded server has a password
+        proxied = await connect(f"redis://{auth}127.0.0.1:{proxy.port}{parts.path or ''}", namespace=namespace)
         relay = OutboxRelay(pg, proxied, poll_interval=0.1)
         await tg.start(relay.run)
 

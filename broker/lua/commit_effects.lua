@@ -32,6 +32,24 @@
 -- having written nothing, and the entry stays pending.
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[4], 1)
 if #pending == 0 then return 0 end
+-- unpack() below fails past about 8000 values (Lua's C stack), which would stop the script after
+-- the commands before it were applied and leave the entry pending: a retry would apply them again.
+-- So every command's size is checked before any runs; a failed attempt then has changed nothing.
+local MAX_ARGS = 7900
+do
+  local n, m, r = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+  local pos = 9 + 2 * r
+  for i = 1, n + m do
+    local c = tonumber(ARGV[pos])
+    if c > MAX_ARGS then
+      local what = i <= n and string.format('Redis command %d of %d (%s)', i, n, string.upper(ARGV[pos + 1]))
+        or string.format('outgoing message %d of %d', i - n, m)
+      return redis.error_reply(string.format('ERR effects not applied: %s has %d arguments, more than the %d '
+        .. 'a script can pass; split it into smaller commands', what, c, MAX_ARGS))
+    end
+    pos = pos + c + 1
+  end
+end
 local s = redis.call('ZSCORE', KEYS[2], ARGV[5])
 local done = s and tonumber(s) >= 0
 if not done then

@@ -9,11 +9,18 @@
 -- ARGV[4+n .. end] redelivered message ids (their previous holder timed out or is us: take over)
 -- Returns one status per id, in order: 0 = leased to the caller (run it), 1 = already processed
 -- (a duplicate: ack it without running), 2 = being processed elsewhere under a live lease.
--- One ZMSCORE and one variadic ZADD for the whole batch keep the cost per message low.
+-- One ZMSCORE and one variadic ZADD per 1000 ids (not one call per id) keep the cost per message low.
 local now = tonumber(ARGV[1])
 local lease = -(now + tonumber(ARGV[2]))
 local n = tonumber(ARGV[3])
-local scores = redis.call('ZMSCORE', KEYS[1], unpack(ARGV, 4))
+-- unpack() fails beyond about 8000 values (Lua's C stack) and a fetch may hold more (2 x prefetch):
+-- every variadic call goes in chunks of 1000 ids.
+local CHUNK = 1000
+local scores = {}
+for first = 4, #ARGV, CHUNK do
+  local part = redis.call('ZMSCORE', KEYS[1], unpack(ARGV, first, math.min(first + CHUNK - 1, #ARGV)))
+  for j = 1, #part do scores[first - 4 + j] = part[j] end
+end
 local out, zadd, taken = {}, {}, {}
 local z = 0
 for i = 1, #ARGV - 3 do
@@ -32,5 +39,7 @@ for i = 1, #ARGV - 3 do
     out[i] = 0
   end
 end
-if z > 0 then redis.call('ZADD', KEYS[1], unpack(zadd)) end
+for first = 1, z, 2 * CHUNK do
+  redis.call('ZADD', KEYS[1], unpack(zadd, first, math.min(first + 2 * CHUNK - 1, z)))
+end
 return out
