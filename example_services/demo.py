@@ -26,7 +26,7 @@ from rich.table import Table
 from broker import connect, default_data_dir, redact, resolve_url
 from broker.inspect import describe
 from framework import SyncClient
-from framework.dlq import DeadLetters
+from framework.dead_letters import DeadLetters
 from framework.testing import delete_namespace
 
 console = Console()

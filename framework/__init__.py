@@ -15,7 +15,7 @@ from broker import BrokerUnavailable, ConfigurationError, Envelope
 from framework.client import Batch, Client, SyncClient
 from framework.context import Context
 from framework.payloads import PayloadError, converter
-from framework.retry import HandlerTimeout, RetryAfter, RetryPolicy
+from framework.retries import HandlerTimeout, RetryAfter, RetryPolicy
 from framework.runtime import Runtime
 from framework.service import Handler, HandlerError, Queue, Service, Topic
 from framework.settings import RuntimeSettings

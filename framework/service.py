@@ -19,7 +19,7 @@ import attrs
 
 from broker import COMMAND, DEFAULT_RETENTION_MS, EVENT, DestinationSpec, Start, validate_name
 from framework.payloads import decoder_for
-from framework.retry import DEFAULT_RETRY, RetryPolicy
+from framework.retries import DEFAULT_RETRY, RetryPolicy
 
 __all__ = ["Handler", "HandlerError", "Queue", "Service", "Topic"]
 
@@ -145,7 +145,7 @@ class Service:
     ``retry`` is the default policy of its handlers; ``inbox`` (on by default) drops duplicate
     deliveries of a message the service already processed; ``timeout`` (seconds or timedelta,
     default 300, None for no limit) is how long a handler may run before it is cancelled and the
-    attempt counts as failed (:class:`~framework.retry.HandlerTimeout`), so a hung handler cannot
+    attempt counts as failed (:class:`~framework.retries.HandlerTimeout`), so a hung handler cannot
     hold its lane forever.
     """
 

@@ -95,7 +95,7 @@ async def test_a_worker_dead_letters_an_oversized_entry_with_the_reason(
 
 async def test_a_handler_staging_an_oversized_message_is_dead_lettered_at_once(redis_url: str, namespace: str) -> None:
     from framework import RetryPolicy
-    from framework.dlq import DeadLetters
+    from framework.dead_letters import DeadLetters
     from framework.testing import ServiceHarness
 
     calls: list[int] = []

@@ -13,7 +13,7 @@ import attrs
 import pytest
 
 from framework import Context, HandlerError, RetryAfter, RetryPolicy, Runtime, Service, Topic
-from framework.dlq import DeadLetters
+from framework.dead_letters import DeadLetters
 from framework.testing import TEST_SETTINGS, ServiceHarness
 
 pytestmark = pytest.mark.anyio
@@ -334,7 +334,7 @@ async def test_a_hung_handler_is_cancelled_at_its_timeout_and_does_not_block_its
         await harness.run_until_idle(timeout=15)
         [dead] = await DeadLetters(harness.broker).list()
     assert runs == [1, 2]  # cancelled twice, then dead-lettered: max_attempts holds for hangs too
-    assert dead.error_type == "framework.retry.HandlerTimeout"
+    assert dead.error_type == "framework.retries.HandlerTimeout"
     assert "ran longer than its 0.5 s timeout" in dead.reason and dead.attempts == 2
 
 

@@ -10,7 +10,7 @@ task is spawned per message):
   nothing of its own to do takes works from it one at a time, so no keyless message waits behind
   a slow handler while a lane is free;
 * isolated work (redelivered messages that may be what killed a worker, see
-  :meth:`framework.consumer.Consumer._sort_redeliveries`) runs one work at a time in the whole
+  :meth:`framework.runtime.consumer.Consumer._sort_redeliveries`) runs one work at a time in the whole
   process on an isolation lane of its own, beside the others, so neither waiting for isolation
   nor a slow isolated handler holds a lane other keys need (while one runs, the process runs up
   to ``concurrency + 1`` handlers). Later works with the same key are isolated behind it
@@ -32,7 +32,7 @@ from framework.logs import get_logger
 
 __all__ = ["Batch", "LanePool", "Worker"]
 
-log = get_logger("framework.lanes")
+log = get_logger("framework.runtime.lanes")
 
 
 class Batch:

@@ -1,10 +1,10 @@
 """The runtime: the root of a worker process's actor tree, and its graceful shutdown.
 
-Tree: ``Runtime`` (root task group) owns the :class:`~framework.lanes.LanePool` (``concurrency``
+Tree: ``Runtime`` (root task group) owns the :class:`~framework.runtime.lanes.LanePool` (``concurrency``
 lanes shared by every handler, the process's global bound) and one
-:class:`~framework.consumer.Consumer` per handler, each owning its fetchers, ack flusher,
+:class:`~framework.runtime.consumer.Consumer` per handler, each owning its fetchers, ack flusher,
 claimer, extender, retry mover and trimmer. Crashed actors restart with backoff (see
-:mod:`framework.supervisor`).
+:mod:`framework.runtime.supervisor`).
 
 Shutdown (:meth:`Runtime.stop`, SIGTERM/SIGINT from the CLI): stop fetching, let in-flight handlers
 finish within ``shutdown_timeout``, flush acks, close. Whatever is left unacknowledged stays
@@ -22,14 +22,14 @@ import anyio.abc
 
 from broker import DestinationSpec, RedisBroker, connect, redact
 from broker.inspect import group_state
-from framework.consumer import Consumer
-from framework.identity import ConsumerIdentity
-from framework.lanes import LanePool
 from framework.logs import get_logger
 from framework.messages import Outgoing
+from framework.runtime.consumer import Consumer
+from framework.runtime.identity import ConsumerIdentity
+from framework.runtime.lanes import LanePool
+from framework.runtime.supervisor import is_connection_error
 from framework.service import HandlerError, Service
 from framework.settings import RuntimeSettings
-from framework.supervisor import is_connection_error
 
 __all__ = ["Runtime"]
 

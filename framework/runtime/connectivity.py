@@ -7,7 +7,7 @@ success through :func:`healthy` (the fetchers and ack flushers, once per round t
 costs two log lines per outage, not one per task per retry.
 
 :func:`healthy` also marks the calling actor as having done useful work since its last
-(re)start, which resets its restart backoff (see :mod:`framework.supervisor`). It costs a context
+(re)start, which resets its restart backoff (see :mod:`framework.runtime.supervisor`). It costs a context
 variable look-up and two attribute accesses: cheap enough to call per round trip.
 """
 
@@ -20,7 +20,7 @@ from framework.logs import get_logger
 
 __all__ = ["Progress", "healthy", "is_down", "lost"]
 
-log = get_logger("framework.connectivity")
+log = get_logger("framework.runtime.connectivity")
 
 
 class Progress:

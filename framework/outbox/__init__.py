@@ -12,8 +12,8 @@ keeping each row's message id, so a re-publish after a crash is dropped by downs
 Handlers whose effects live in the same database call :func:`claim_inbox` and :func:`stage` in
 their transaction: exactly-once effects.
 
-The tables (:mod:`framework.outbox_schema`, created by :func:`create_tables` or the plain SQL of
-:func:`ddl`) and the relay (:mod:`framework.outbox_relay`) are re-exported here: this module is the
+The tables (:mod:`framework.outbox.schema`, created by :func:`create_tables` or the plain SQL of
+:func:`ddl`) and the relay (:mod:`framework.outbox.relay`) are re-exported here: this module is the
 one import path for all of it.
 
 Order per key is commit order: on PostgreSQL, :func:`stage` takes a transaction-level advisory
@@ -36,8 +36,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from broker import COMMAND, EVENT, DestinationSpec, Envelope, Kind, validate_name
 from broker.codec import check_body_size, max_body_bytes
 from framework.messages import Outgoing, build_envelope
-from framework.outbox_relay import OutboxRelay
-from framework.outbox_schema import (
+from framework.outbox.relay import OutboxRelay
+from framework.outbox.schema import (
     DIALECTS,
     NOTIFY_CHANNEL,
     SHARDS,

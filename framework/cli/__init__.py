@@ -19,7 +19,7 @@ import anyio
 import orjson
 
 from broker import BrokerError, connect
-from framework.cli_args import json_argument, log_level, positive_duration, positive_int
+from framework.cli.args import json_argument, log_level, positive_duration, positive_int
 from framework.logs import configure_logging, get_logger
 from framework.service import HandlerError, Service
 
@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _register_extensions(sub: Any) -> None:
     """Sub-commands that live beside their feature (dead letters, outbox)."""
-    for module_name in ("framework.dlq_cli", "framework.outbox_cli"):
+    for module_name in ("framework.cli.dead_letters", "framework.cli.outbox"):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:

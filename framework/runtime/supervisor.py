@@ -5,10 +5,10 @@ under :func:`supervise` inside a task group owned by its parent, so nothing runs
 cancelling the parent stops the whole subtree.
 
 A lost or timed-out broker connection is not a crash: it is reported once per outage (see
-:mod:`framework.connectivity`) and retried quickly, waiting 0.1 s, then doubling up to 1 s. A
+:mod:`framework.runtime.connectivity`) and retried quickly, waiting 0.1 s, then doubling up to 1 s. A
 crash (any other error) is logged with its traceback and retried after 0.1 s, doubling up to
 10 s. The backoff starts again from 0.1 s once the actor has done useful work since its last
-start: it called :func:`framework.connectivity.healthy`, or it ran for 30 s.
+start: it called :func:`framework.runtime.connectivity.healthy`, or it ran for 30 s.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.wire import is_closed_transport
-from framework import connectivity
 from framework.logs import get_logger
+from framework.runtime import connectivity
 
 __all__ = ["is_connection_error", "supervise"]
 
-log = get_logger("framework.supervisor")
+log = get_logger("framework.runtime.supervisor")
 
 _STABLE_AFTER = 30.0  # an actor that ran this long before failing restarts with the initial backoff
 _CONNECTION_MAXIMUM = 1.0  # seconds: the longest wait before retrying a lost connection

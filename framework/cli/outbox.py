@@ -15,11 +15,11 @@ from typing import Any
 
 import anyio
 
-from framework.cli_args import duration, positive_int
+from framework.cli.args import duration, positive_int
 
 __all__ = ["register"]
 
-_DIALECTS = ("postgresql", "sqlite")  # as framework.outbox_schema.DIALECTS, without importing SQLAlchemy
+_DIALECTS = ("postgresql", "sqlite")  # as framework.outbox.schema.DIALECTS, without importing SQLAlchemy
 
 
 def _sql_modules() -> tuple[Any, Any]:
@@ -95,7 +95,7 @@ def _commands(usage_error: type[Exception]) -> dict[str, Callable[[argparse.Name
 
         from broker import connect
         from framework.logs import get_logger
-        from framework.outbox_relay import OutboxRelay
+        from framework.outbox.relay import OutboxRelay
 
         engine = _engine(args, usage_error)
         log = get_logger("framework.cli")
@@ -206,7 +206,7 @@ def _commands(usage_error: type[Exception]) -> dict[str, Callable[[argparse.Name
         async def main() -> int:
             from sqlalchemy import update
 
-            from framework.outbox_schema import outbox_table as t
+            from framework.outbox.schema import outbox_table as t
 
             try:
                 await _checked(engine)
@@ -250,7 +250,7 @@ async def _status(engine: Any) -> dict[str, Any]:
 
     from sqlalchemy import func, select
 
-    from framework.outbox_schema import inbox_table, outbox_table, sent_table
+    from framework.outbox.schema import inbox_table, outbox_table, sent_table
 
     o = outbox_table
     async with engine.connect() as conn:

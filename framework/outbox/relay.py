@@ -42,7 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from broker import ConfigurationError, DestinationSpec, Envelope, RedisBroker, validate_name
 from framework.logs import get_logger
-from framework.outbox_schema import NOTIFY_CHANNEL, inbox_table, outbox_table, sent_table
+from framework.outbox.schema import NOTIFY_CHANNEL, inbox_table, outbox_table, sent_table
 from framework.sql import libpq_url, redact_url
 
 __all__ = ["OutboxRelay"]

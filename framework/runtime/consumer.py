@@ -22,23 +22,23 @@ import anyio
 import attrs
 
 from broker import Delivery, EffectsFailed, GroupPartition, now_ms
-from framework.connectivity import healthy
 from framework.context import Context
-from framework.dead_letters import base_reason, exception_reason, poison_reason
+from framework.dead_letters.reasons import base_reason, exception_reason, poison_reason
 from framework.effects import AlreadyProcessed
-from framework.lanes import Batch
 from framework.logs import get_logger
 from framework.payloads import PayloadError
-from framework.retry import Decision, HandlerTimeout
+from framework.retries import Decision, HandlerTimeout
+from framework.runtime.connectivity import healthy
+from framework.runtime.lanes import Batch
+from framework.runtime.supervisor import is_connection_error, supervise
 from framework.service import Handler
-from framework.supervisor import is_connection_error, supervise
 
 if TYPE_CHECKING:
     from framework.runtime import Runtime
 
 __all__ = ["Consumer", "ConsumerStats"]
 
-log = get_logger("framework.consumer")
+log = get_logger("framework.runtime.consumer")
 
 Work = tuple[Delivery, Any]  # a delivery and its decoded payload
 _SETTLED: Any = object()  # a run whose effects were committed together with its ack
@@ -322,7 +322,7 @@ class Consumer:
     async def process(self, state: _PartitionState, batch: Batch) -> None:
         """Take works from ``batch`` in order and run the handler for each, settling as it goes.
 
-        Several lanes may take from one keyless batch at once (see :mod:`framework.lanes`); each
+        Several lanes may take from one keyless batch at once (see :mod:`framework.runtime.lanes`); each
         settles what it ran. A finished message is acknowledged (after its staged messages are
         published) within about ``ack_interval`` of finishing, not when the whole batch is done,
         so a crash re-runs as little finished work as possible. A handler past its timeout is
@@ -556,7 +556,7 @@ class Consumer:
         like fresh work (concurrently): most redelivered messages are bystanders of a crash, not
         its cause. A message whose counter shows an earlier redelivered run that never completed
         is a *suspect*: it runs isolated (one suspect at a time in the process, on an isolation
-        lane beside the others, see :mod:`framework.lanes`), counted again just before it starts
+        lane beside the others, see :mod:`framework.runtime.lanes`), counted again just before it starts
         (:meth:`_count_redelivery`), so a message that kills every worker is dead-lettered after
         ``max_attempts`` runs while the suspects queued behind it are not charged for its crashes.
         Work with a suspect's key is isolated behind it, keeping per-key order.

@@ -1,6 +1,6 @@
 """``framework dlq list|show|redrive|purge``, ``framework unsubscribe`` and ``framework delete``.
 
-The dead-letter commands are thin layers over :class:`framework.dlq.DeadLetters`. ``unsubscribe``
+The dead-letter commands are thin layers over :class:`framework.dead_letters.DeadLetters`. ``unsubscribe``
 refuses while consumers of the group are alive and ``delete`` while a destination has groups or
 entries (``--force`` overrides); both say what goes (and what a re-created group would replay)
 and ask for confirmation (``--yes``; without a terminal they refuse rather than ask).
@@ -23,8 +23,8 @@ from redis.exceptions import ResponseError
 
 from broker import RedisBroker, connect
 from broker.topology import DestinationSpec
-from framework.cli_args import duration, positive_int, positive_rate
-from framework.dlq import DeadLetter, DeadLetters
+from framework.cli.args import duration, positive_int, positive_rate
+from framework.dead_letters import DeadLetter, DeadLetters
 
 __all__ = ["register"]
 
