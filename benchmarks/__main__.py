@@ -1,6 +1,7 @@
 """``python -m benchmarks``: run the benchmarks, print one table of medians, optionally write JSON.
 
     python -m benchmarks [--quick] [--repeats N] [--only NAME ...] [--json PATH]
+    python -m benchmarks soak [--minutes 20] [--rate R]    (SQL effects under faults; not in the default run)
 
 Server: ``$REDIS_URL`` if set, else an embedded Valkey (AOF on) started for the run and removed after.
 Each benchmark works in a namespace of its own and deletes its keys; nothing is ever flushed.
@@ -30,7 +31,7 @@ from benchmarks import machine, procs, runtime_bench
 
 __all__ = ["BENCHMARKS", "Sizes", "main"]
 
-BENCHMARKS = ("raw", "commands", "events", "latency", "memory", "outbox", "spark", "recovery")
+BENCHMARKS = ("raw", "commands", "events", "latency", "memory", "outbox", "spark", "recovery", "sql")
 _NEEDS_RAW = {"commands", "events", "memory"}  # their ratios need the ceiling of the same run
 
 THROUGHPUT_TARGET = 0.25  # of the raw ceiling, one worker process
@@ -39,6 +40,9 @@ INBOX_COST_TARGET = 0.30
 MEMORY_FLAT_TARGET = 1.10  # peak RSS, big backlog over small backlog
 OUTBOX_TARGET = 20_000
 SPARK_RATIO_TARGET = 0.50  # broker -> Parquet rows/s over the in-memory Python source's
+SQL_RATIO_TARGET = 1.0  # framework msg/s over the plain redis-py + psycopg consumer's, same worker count
+SQL_CPU_TARGET_MS = 0.3  # client CPU per message, framework workers
+SQL_WORKERS = (1, 3)
 
 
 @attrs.frozen
@@ -53,10 +57,13 @@ class Sizes:
     outbox_messages: int
     spark_events: int
     recovery_messages: int = 30_000
+    sql_messages: int = 20_000  # backlog drained per SQL-effects trial
+    sql_latency_rate: float = 200.0  # msg/s offered in the SQL latency phase (3 workers)
+    sql_latency_seconds: float = 10.0
 
 
 FULL = Sizes(200_000, 1_000_000, 100_000, 10.0, 500.0, 100_000, 1_000_000)
-QUICK = Sizes(20_000, 50_000, 5_000, 3.0, 500.0, 5_000, 20_000, 30_000)
+QUICK = Sizes(20_000, 50_000, 5_000, 3.0, 500.0, 5_000, 20_000, 30_000, 3_000, 200.0, 5.0)
 
 err = Console(stderr=True, highlight=False)
 
@@ -146,6 +153,46 @@ class Runner:
 
     def run(self) -> None:
         """Repeat the interleaved throughput and latency trials, then memory, outbox and Spark once each."""
+        with contextlib.ExitStack() as stack:
+            self._run(self._sql_database(stack) if "sql" in self.selected else None)
+
+    def _sql_database(self, stack: contextlib.ExitStack) -> str | None:
+        """A scratch PostgreSQL database for the SQL trials (kept for the whole run), or None with the reason."""
+        try:
+            from benchmarks import sql_bench
+
+            _progress("sql: preparing a scratch PostgreSQL database ($DATABASE_URL, else embedded)")
+            return str(stack.enter_context(sql_bench.database()))
+        except Exception as exc:
+            self.errors["sql"] = f"not run: {type(exc).__name__}: {exc}"
+            _progress(f"[yellow]sql: {self.errors['sql']}[/yellow]")
+            return None
+
+    def _sql_round(self, db: str, round_: int) -> None:
+        """Framework and plain consumer with 1 and 3 workers; the order alternates by round."""
+        from benchmarks import sql_bench
+
+        s = self.sizes
+        for workers in SQL_WORKERS:
+            kinds = ("framework", "plain") if (round_ + workers) % 2 == 0 else ("plain", "framework")
+            for kind in kinds:
+                rate = s.sql_latency_rate if workers == max(SQL_WORKERS) else None
+                self._trial(
+                    f"sql:{kind}:{workers}",
+                    lambda kind=kind, workers=workers, rate=rate: sql_bench.drain_trial(
+                        self.url,
+                        db,
+                        kind,
+                        workers,
+                        s.sql_messages,
+                        latency_rate=rate,
+                        latency_seconds=s.sql_latency_seconds,
+                        progress=_progress,
+                    ),
+                    round_,
+                )
+
+    def _run(self, sql_db: str | None) -> None:
         s, url, p = self.sizes, self.url, _progress
         for r in range(self.repeats):
             _progress(f"[bold]round {r + 1}/{self.repeats}[/bold]")
@@ -170,6 +217,8 @@ class Runner:
                 from benchmarks import recovery_bench
 
                 self._trial("recovery", lambda: recovery_bench.run_trial(url, s.recovery_messages, progress=p), r)
+            if sql_db is not None:
+                self._sql_round(sql_db, r)
         if "memory" in self.selected:
             self._trial("memory:small", lambda: runtime_bench.memory(url, s.memory_small, progress=p))
             self._trial("memory:big", lambda: runtime_bench.memory(url, s.memory_backlog, progress=p))
@@ -260,6 +309,17 @@ class Runner:
                 "server_inbox_mib",
             ),
         }
+        for kind in ("framework", "plain"):
+            for w in SQL_WORKERS:
+                fields[f"sql:{kind}:{w}"] = (
+                    "msgs_per_s",
+                    "cpu_ms_per_msg",
+                    "p50_ms",
+                    "p90_ms",
+                    "p99_ms",
+                    "max_ms",
+                    "achieved_rate",
+                )
         for key, names in fields.items():
             figures = {n: st for n in names if (st := self._stats(key, n)) is not None}
             if figures:
@@ -272,6 +332,10 @@ class Runner:
         ):
             if key in out and (pr := self.paired(key, field)) is not None:
                 out[key]["ratio_to_raw"] = pr
+        for w in SQL_WORKERS:
+            key = f"sql:framework:{w}"
+            if key in out and (pr := self.paired(key, "msgs_per_s", f"sql:plain:{w}", "msgs_per_s")) is not None:
+                out[key]["ratio_to_plain"] = pr
         on, off = self.trials.get("commands:on", []), {t["round"]: t for t in self.trials.get("commands:off", [])}
         costs = [1 - t["msgs_per_s"] / off[t["round"]]["msgs_per_s"] for t in on if t.get("round") in off]
         if costs:
@@ -424,10 +488,63 @@ class Runner:
                         f"{rt['median']:.0%}{spread}",
                     )
                 )
+        if not not_run("sql", "SQL effects"):
+            rows += self._sql_rows(sm)
         if not not_run("outbox", "outbox relay") and (ob := self.trials.get("outbox")):
             rows.append(self._external_row("outbox relay", ob[0], self._outbox_row))
         if not not_run("spark", "spark bridge") and (sp := self.trials.get("spark")):
             rows.append(self._external_row("spark bridge", sp[0], self._spark_row))
+        return rows
+
+    def _sql_rows(self, sm: dict[str, dict[str, Any]]) -> list[Row]:
+        """Framework vs plain consumer: drain rate (paired ratio), client CPU per message, latency."""
+        rows: list[Row] = []
+        for w in SQL_WORKERS:
+            fw, plain = sm.get(f"sql:framework:{w}", {}), sm.get(f"sql:plain:{w}", {})
+            if "msgs_per_s" not in fw or "msgs_per_s" not in plain:
+                continue
+            pr = fw.get("ratio_to_plain")
+            r = pr["median"] if pr else fw["msgs_per_s"]["median"] / plain["msgs_per_s"]["median"]
+            spread = f"\n[dim]{pr['min']:.2f}-{pr['max']:.2f}x[/dim]" if pr and len(pr["runs"]) > 1 else ""
+            label = "worker" if w == 1 else "workers"
+            rows.append(
+                Row(
+                    f"SQL effects: {w} {label}, 2 ms work + 1 row in ctx.sql_transaction, inbox on, "
+                    f"{self.sizes.sql_messages:,} backlog",
+                    _rate(fw["msgs_per_s"]),
+                    f"{_rate(plain['msgs_per_s'])}\n[dim]plain redis-py + psycopg batch consumer[/dim]",
+                    f"{r:.2f}x{spread}",
+                    f"≥ {SQL_RATIO_TARGET:.1f}x plain",
+                    r >= SQL_RATIO_TARGET,
+                )
+            )
+            fc, pc = fw["cpu_ms_per_msg"], plain["cpu_ms_per_msg"]
+            rows.append(
+                Row(
+                    f"SQL effects: client CPU per message, {w} {label} (utime+stime of the workers)",
+                    f"{_ms(fc)} ms",
+                    f"{_ms(pc)} ms\n[dim]plain consumer[/dim]",
+                    f"{fc['median'] / pc['median']:.1f}x" if pc["median"] else "—",
+                    f"≤ {SQL_CPU_TARGET_MS:g} ms",
+                    fc["median"] <= SQL_CPU_TARGET_MS,
+                )
+            )
+        w = max(SQL_WORKERS)
+        fw, plain = sm.get(f"sql:framework:{w}", {}), sm.get(f"sql:plain:{w}", {})
+        if "p99_ms" in fw and "p99_ms" in plain:
+            added = fw["p99_ms"]["median"] - plain["p99_ms"]["median"]
+            rows.append(
+                Row(
+                    f"SQL effects: publish → commit @ {self.sizes.sql_latency_rate:g}/s, {w} workers, "
+                    "p50 / p99 ms (incl. 2 ms work)",
+                    f"p50 {_ms(fw['p50_ms'])}\np99 {_ms(fw['p99_ms'])}\n[dim]offered "
+                    f"{fw['achieved_rate']['median']:,.0f}/s[/dim]",
+                    f"p50 {plain['p50_ms']['median']:.2f}\np99 {plain['p99_ms']['median']:.2f}"
+                    "\n[dim]plain consumer[/dim]",
+                    f"p99 {added:+.1f} ms",
+                    "p99 added: stated",
+                )
+            )
         return rows
 
     @staticmethod
@@ -523,8 +640,25 @@ def _on_sigterm(signum: int, _frame: Any) -> NoReturn:
     raise SystemExit(128 + signum)  # unwinds through the context managers, which stop every child
 
 
+def _soak(argv: Sequence[str]) -> int:
+    """``python -m benchmarks soak``: the SQL-effects soak under faults (see :mod:`benchmarks.sql_soak`)."""
+    from benchmarks import sql_soak
+
+    options = sql_soak.parse(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with _server() as (url, _embedded):
+            return sql_soak.run(url, options, progress=_progress)
+    finally:
+        procs.stop_all()
+        procs.remove_logs(keep=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmarks; exit 1 if a runtime benchmark failed (missed targets and absent modules are reported)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["soak"]:
+        return _soak(argv[1:])
     args = _parse(argv)
     sizes = QUICK if args.quick else FULL
     repeats = args.repeats or (1 if args.quick else 3)
@@ -582,7 +716,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "wb") as f:
             f.write(orjson.dumps(payload, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
         out.print(f"wrote {args.json}")
-    own_failures = [name for name in runner.errors if name not in ("outbox", "spark")]
+    own_failures = [
+        name
+        for name, error in runner.errors.items()
+        if name not in ("outbox", "spark") and not (name == "sql" and error.startswith("not run"))
+    ]
     procs.remove_logs(keep=bool(runner.errors))
     return 1 if own_failures else 0
 

@@ -73,7 +73,7 @@ def _loadavg() -> float:
         return float(f.read().split()[0])
 
 
-def _process_cpu_s(pid: int | None) -> float:
+def process_cpu_s(pid: int | None) -> float:
     """CPU seconds (user + system) a local process used so far; 0 if it is not visible here."""
     if not pid:
         return 0.0
@@ -124,7 +124,7 @@ class Conditions:
     def __enter__(self) -> Conditions:
         self._start_times = _cpu_times()
         self._own_start = _own_cpu_s()
-        self._server_start = _process_cpu_s(self.server_pid)
+        self._server_start = process_cpu_s(self.server_pid)
         self.started = time.time()
         self._thread.start()
         return self
@@ -134,7 +134,7 @@ class Conditions:
         self._thread.join()
         self._end_times = _cpu_times()
         self._own_end = _own_cpu_s()
-        self._server_end = _process_cpu_s(self.server_pid)
+        self._server_end = process_cpu_s(self.server_pid)
         self.ended = time.time()
 
     def _run(self) -> None:

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from broker import EmbeddedServer, Envelope, connect
 from framework import outbox
 from framework.logs import configure_logging
-from framework.sql import embedded_postgres, redact_url, temporary_database
+from framework.sql import redact_url
+from framework.testing import embedded_postgres, temporary_database
 
 TARGET = 20_000
 _KEYS = 100

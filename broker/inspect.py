@@ -1,19 +1,40 @@
-"""Read-only views of destinations, partitions and groups (depth, pending, lag) for status and tests."""
+"""Read-only views of destinations, partitions and groups: depth, pending, lag, and what removing them deletes.
+
+:func:`describe` serves ``framework status``; :func:`group_usage` and :func:`destination_usage` say
+what ``framework unsubscribe`` and ``framework delete`` would remove; nothing here changes a key.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import attrs
+import orjson
 from redis.exceptions import NoPermissionError, ResponseError
 
+from broker.codec import decode_fields
+from broker.envelope import Envelope
 from broker.protocol import GroupPartition
 from broker.redis_broker import RedisBroker
 from broker.topology import DestinationSpec
 
-__all__ = ["DestinationState", "GroupState", "PartitionState", "describe", "group_state"]
+__all__ = [
+    "ConsumerSeen",
+    "DestinationState",
+    "DestinationUsage",
+    "GroupState",
+    "GroupUsage",
+    "PartitionState",
+    "dead_letter_count",
+    "describe",
+    "destination_usage",
+    "group_state",
+    "group_usage",
+    "stored_messages",
+]
 
 _LAG_SCAN_LIMIT = 100_000  # when the server cannot tell the lag, count at most this many entries
+_UNREAD_SCAN_LIMIT = 1_000_000  # the same, for a report before deleting a group: exactness over speed
 
 
 @attrs.frozen
@@ -89,12 +110,12 @@ def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-async def _lag(broker: RedisBroker, stream: str, info: dict[str, Any]) -> int:
+async def _lag(broker: RedisBroker, stream: str, info: dict[str, Any], limit: int = _LAG_SCAN_LIMIT) -> int:
     lag = info.get("lag")
     if lag is not None:
         return int(lag)
-    last = _text(info.get("last-delivered-id", "0-0"))  # the server could not tell: count
-    rows = await broker.redis.execute_command("XRANGE", stream, f"({last}", "+", "COUNT", _LAG_SCAN_LIMIT)
+    last = _text(info.get("last-delivered-id", "0-0"))  # the server could not tell (entries were deleted): count
+    rows = await broker.redis.execute_command("XRANGE", stream, f"({last}", "+", "COUNT", limit)
     return len(rows)
 
 
@@ -141,3 +162,127 @@ async def describe(broker: RedisBroker, names: list[str] | None = None) -> list[
             parts.append(PartitionState(p, length, states))
         out.append(DestinationState(spec, parts))
     return out
+
+
+async def dead_letter_count(broker: RedisBroker, view: GroupPartition) -> int:
+    """Dead letters of ``view``'s group on its partition."""
+    return int(await broker.redis.xlen(view.keys.dlq))
+
+
+async def stored_messages(broker: RedisBroker, spec: DestinationSpec) -> list[Envelope]:
+    """Every message stored on ``spec`` (all partitions, each in stream order), decoded."""
+    out: list[Envelope] = []
+    for p in range(spec.partitions):
+        stream = broker.keyspace.partition(spec.name, p).stream
+        for _, flat in await broker.redis.execute_command("XRANGE", stream, "-", "+"):
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            out.append(decode_fields(fields, spec.name, spec.kind))
+    return out
+
+
+# -- what removing a group or a destination deletes ------------------------------------------------------
+
+
+@attrs.frozen
+class ConsumerSeen:
+    """A consumer of a group: how long since the server last saw it read, and how many entries it holds."""
+
+    name: str
+    idle_ms: int
+    pending: int
+
+
+@attrs.frozen
+class GroupUsage:
+    """Everything ``group`` holds on ``spec``, summed over its partitions.
+
+    ``start`` is where the group began when it subscribed (``earliest`` or ``latest``);
+    ``consumers`` are all consumers the server knows, most recently seen first.
+    """
+
+    spec: DestinationSpec
+    group: str
+    start: str
+    consumers: list[ConsumerSeen]
+    inbox: int  # message ids remembered for deduplication (processed, or leased to a running handler)
+    retries: int  # waiting in the group's retry path (redeliver stream and delayed set)
+    dead: int
+    pending: int  # delivered to the group and not acknowledged
+    retained: int  # entries in the partition streams
+    delivered: int  # of those, already delivered to the group (topics only)
+    unread: int  # of those, not yet delivered to the group (topics only)
+    oldest_ms: int | None  # time of the oldest retained entry
+
+
+async def _consumers_seen(broker: RedisBroker, view: GroupPartition, seen: dict[str, ConsumerSeen]) -> None:
+    """Merge the consumers of ``view``'s main and redeliver streams into ``seen`` (by name)."""
+    for stream in (view.stream, view.keys.redeliver):
+        try:
+            rows = await broker.redis.xinfo_consumers(stream, view.group)
+        except ResponseError:  # no stream or no group there
+            rows = []
+        for row in rows:
+            info = {_text(k): v for k, v in row.items()}
+            name, idle, held = _text(info["name"]), int(info.get("idle") or 0), int(info.get("pending") or 0)
+            before = seen.get(name)
+            if before is not None:
+                idle, held = min(idle, before.idle_ms), held + before.pending
+            seen[name] = ConsumerSeen(name, idle, held)
+
+
+async def group_usage(broker: RedisBroker, spec: DestinationSpec, group: str) -> GroupUsage:
+    """Read everything :class:`GroupUsage` says about ``group`` on ``spec`` (nothing is changed)."""
+    raw = await broker.redis.hget(broker.keyspace.subscriptions, f"{spec.name}|{group}")
+    start = str(orjson.loads(raw).get("start", "earliest")) if raw else "earliest"
+    seen: dict[str, ConsumerSeen] = {}
+    inbox = retries = dead = pending = retained = delivered = unread = 0
+    oldest: int | None = None
+    for p in range(spec.partitions):
+        view = broker.group_partition(spec, p, group)
+        await _consumers_seen(broker, view, seen)
+        length = int(await broker.redis.xlen(view.stream))
+        retained += length
+        for info in await broker.stream_groups(view.stream):
+            if _text(info["name"]) == group:
+                pending += int(info.get("pending") or 0)
+                if spec.is_topic:
+                    lag = min(await _lag(broker, view.stream, info, _UNREAD_SCAN_LIMIT), length)
+                    unread += lag
+                    delivered += length - lag
+        if length:
+            first = await broker.redis.execute_command("XRANGE", view.stream, "-", "+", "COUNT", 1)
+            if first:
+                ms = int(_text(first[0][0]).split("-")[0])
+                oldest = ms if oldest is None else min(oldest, ms)
+        pipe = broker.redis.pipeline(transaction=False)
+        pipe.zcard(view.keys.inbox)  # processed ids and running leases; ZCARD keeps the operator ACL small
+        pipe.zcard(view.keys.delayed)
+        pipe.xlen(view.keys.redeliver)
+        pipe.xlen(view.keys.dlq)
+        processed, delayed, redeliver, dlq = await pipe.execute()
+        inbox, retries, dead = inbox + int(processed), retries + int(delayed) + int(redeliver), dead + int(dlq)
+    consumers = sorted(seen.values(), key=lambda c: c.idle_ms)
+    return GroupUsage(spec, group, start, consumers, inbox, retries, dead, pending, retained, delivered, unread, oldest)
+
+
+@attrs.frozen
+class DestinationUsage:
+    """What a destination holds: its groups (registered or present on a stream), stored entries, dead letters."""
+
+    groups: list[str]
+    entries: int
+    dead: int
+
+
+async def destination_usage(broker: RedisBroker, spec: DestinationSpec) -> DestinationUsage:
+    """Read the groups, stored entries and dead letters of ``spec`` (nothing is changed)."""
+    groups = {g for d, g in await broker.list_subscriptions() if d == spec.name}
+    entries = dead = 0
+    for p in range(spec.partitions):
+        stream = broker.keyspace.partition(spec.name, p).stream
+        groups |= {_text(info["name"]) for info in await broker.stream_groups(stream)}
+        entries += int(await broker.redis.xlen(stream))
+    for group in groups:
+        for p in range(spec.partitions):
+            dead += await dead_letter_count(broker, broker.group_partition(spec, p, group))
+    return DestinationUsage(sorted(groups), entries, dead)

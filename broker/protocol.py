@@ -1,8 +1,12 @@
 """The Broker contract: what publishing, reading, acknowledging and retention promise.
 
 Any transport must keep these promises (``tests/test_broker_conformance.py`` checks them against
-the real server). The runtime uses the methods of :class:`Broker` and nothing else; tools (the DLQ
-commands, ``framework status``, tests) may also read the Redis keys directly.
+the real server, for every broker factory it is given). :class:`Broker` is everything the
+framework calls on a broker, grouped by role like the Redis implementation (``broker/_redis/``):
+:class:`Destinations`, :class:`Publisher`, :class:`GroupReader`, :class:`Settler`,
+:class:`DeadLetterAdmin`, plus :class:`Connection` (identity, closing, and the one Redis-specific member the
+framework still reaches for: ``redis``, behind ``ctx.redis``). Redis-only tools
+(:mod:`broker.inspect`) take a :class:`~broker.RedisBroker` instead.
 
 * **Publish.** ``publish`` returns once every envelope is durable on the server (as durable as the
   server's persistence makes it). Envelopes with one key go to one partition and are stored in
@@ -15,13 +19,22 @@ commands, ``framework status``, tests) may also read the Redis keys directly.
   that comes back under the same name re-reads its own pending entries first, and entries idle
   longer than the visibility timeout are claimed by another consumer (``claim_idle``), which
   raises their delivery count. Nothing is lost when a consumer dies; it may be delivered again.
-* **Settle.** ``dead_letter`` and ``retry_later`` move an entry and acknowledge it in one atomic
-  step, and do nothing if the entry is no longer pending (another consumer settled it).
+* **Settle.** ``dead_letter``, ``retry_later`` and ``commit_effects`` move an entry and
+  acknowledge it in one atomic step, and do nothing if the entry is no longer pending (another
+  consumer settled it): settling twice is harmless.
 * **Order.** Entries of one partition are delivered in stream order. Redeliveries (retries,
   claims) may come after later entries; per-key order across failures is the runtime's job.
 * **Retention.** Queue entries are deleted when acknowledged. Topic entries are kept for the
   destination's retention and trimmed only below the oldest entry some group has not yet
   acknowledged or not yet been delivered, so trimming never drops an unprocessed event.
+* **Concurrency.** A broker belongs to the event loop that connected it; any number of tasks of
+  that loop may call any method concurrently (every call is self-contained: no method relies on
+  another call's ordering except as stated). A *channel* (``channel()``) serves one task at a
+  time. Brokers are not thread-safe: one per thread or process. ``close`` is called last.
+* **Failures.** A lost connection raises the transport's connection error, a call that ran out of
+  time its timeout error; neither leaves anything half-done that a retry of the same call would
+  repeat (appends and settlements are single atomic steps). ACL refusals raise
+  :class:`~broker.errors.PermissionDenied`, registry conflicts :class:`~broker.errors.ConfigurationError`.
 """
 
 from __future__ import annotations
@@ -31,11 +44,23 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-from broker.envelope import Envelope
+from broker.envelope import Envelope, Kind
 from broker.keys import GroupKeys
 from broker.topology import DestinationSpec
 
-__all__ = ["Broker", "Delivery", "Extension", "GroupPartition", "Start"]
+__all__ = [
+    "Broker",
+    "Connection",
+    "DeadLetterAdmin",
+    "Delivery",
+    "Destinations",
+    "Extension",
+    "GroupPartition",
+    "GroupReader",
+    "Publisher",
+    "Settler",
+    "Start",
+]
 
 Start = Literal["earliest", "latest"]
 
@@ -107,48 +132,122 @@ class Extension(frozenset[str]):
         return self
 
 
-class Broker(Protocol):
-    """A message transport keeping the contract in this module's docstring."""
+class Destinations(Protocol):
+    """The registry of destinations and subscriptions. Any task may call these at any time."""
 
     async def declare(self, spec: DestinationSpec) -> DestinationSpec:
         """Register a destination; return the stored spec (an existing one wins if compatible).
 
-        Raises ``ConfigurationError`` if the destination exists with another kind or partition count.
+        Idempotent. Raises ``ConfigurationError`` if the destination exists with another kind or
+        partition count; a different retention replaces the stored one (the latest wins).
+        """
+        ...
+
+    async def ensure_declared(self, spec: DestinationSpec) -> DestinationSpec:
+        """:meth:`declare` ``spec`` once per broker: later calls with the same spec cost nothing.
+
+        What producers holding a full spec (``Queue``/``Topic`` objects, an outbox row's spec)
+        call before publishing. Same errors as :meth:`declare`.
+        """
+        ...
+
+    async def route(self, destination: str, kind: Kind, *, partitions: int = 1) -> DestinationSpec:
+        """The spec a ``kind`` message to ``destination`` goes by: the declared one, else a new
+        declaration with default retention and ``partitions`` (declare on first use).
+
+        Cached per broker. Raises ``ConfigurationError`` when ``destination`` is declared with
+        the other kind or its name is invalid; :meth:`Publisher.publish` routes every envelope so.
         """
         ...
 
     async def get_destination(self, name: str) -> DestinationSpec | None:
-        """The declared spec of ``name``, or None."""
+        """The declared spec of ``name``, or None (cached per broker once found)."""
         ...
 
     async def list_destinations(self) -> list[DestinationSpec]:
-        """Every declared destination, sorted by name."""
+        """Every declared destination, sorted by name (not cached)."""
+        ...
+
+    async def list_subscriptions(self) -> list[tuple[str, str]]:
+        """Every (destination, group) pair that has subscribed, sorted."""
+        ...
+
+    def group_partition(self, spec: DestinationSpec, partition: int, group: str) -> GroupPartition:
+        """The view of ``group`` on one partition (no server call; the group need not exist)."""
         ...
 
     async def subscribe(self, spec: DestinationSpec, group: str, start: Start = "earliest") -> list[GroupPartition]:
-        """Create ``group`` on every partition of ``spec`` (idempotent) and return its views.
+        """Declare ``spec``, create ``group`` on every partition (idempotent) and return its views.
 
         ``start`` applies when the group is new: ``earliest`` reads a topic's retained history,
         ``latest`` only what is published afterwards. Queues always start at the earliest entry.
+        Raises ``ConfigurationError`` when another group already consumes the queue.
         """
         ...
 
+
+class Publisher(Protocol):
+    """Producing messages. Safe to call from any number of tasks at once."""
+
+    max_body_bytes: int
+    """Largest body :meth:`publish` accepts and consumers read; a producer may lower or raise it."""
+
     async def publish(self, envelopes: Sequence[Envelope], *, dedup_window_ms: int | None = None) -> list[str | None]:
-        """Store envelopes (pipelined); return each entry id, or None for a deduplicated repeat."""
+        """Store envelopes (pipelined); return each entry id, or None for a deduplicated repeat.
+
+        Destinations are routed with :meth:`Destinations.route` (declared on first use). The
+        call is all or nothing for size: a body over :attr:`max_body_bytes` raises
+        ``MessageTooLarge`` before anything is stored. Envelopes with an ``idempotency-key``
+        header are stored at most once per ``dedup_window_ms`` (default one day).
+        """
         ...
 
-    async def read(self, source: GroupPartition, consumer: str, count: int, block_ms: int) -> list[Delivery]:
-        """Deliver up to ``count`` new entries to ``consumer``, waiting up to ``block_ms`` for one."""
+
+class GroupReader(Protocol):
+    """Delivering a group's entries to its consumers, and keeping them owned while they run."""
+
+    def channel(self) -> Any:
+        """A connection of one task's own for its hot path, or None (then calls use the shared pool).
+
+        Pass it as ``channel=`` to :meth:`read`, :meth:`inbox_claim` and :meth:`Settler.ack`; it
+        serves one task at a time, and a failed call on it drops its connection (the next opens
+        a fresh one), so it stays usable after errors.
+        """
+        ...
+
+    async def read(
+        self, source: GroupPartition, consumer: str, count: int, block_ms: int, *, channel: Any = None
+    ) -> list[Delivery]:
+        """Deliver up to ``count`` new entries to ``consumer``, waiting up to ``block_ms`` for one.
+
+        Bounded in time: at most ``block_ms`` plus the command timeout. Entries stay pending for
+        ``consumer`` until settled.
+        """
         ...
 
     async def read_own_pending(
         self, source: GroupPartition, consumer: str, count: int, after: dict[str, str] | None = None
     ) -> list[Delivery]:
-        """Deliver again the entries pending for ``consumer`` itself (after a restart), oldest first."""
+        """Deliver again the entries pending for ``consumer`` itself (after a restart), oldest first,
+        after the entry ids in ``after`` (per stream); delivery counts are raised."""
         ...
 
     async def claim_idle(self, source: GroupPartition, consumer: str, min_idle_ms: int, count: int) -> list[Delivery]:
         """Take over entries idle for at least ``min_idle_ms`` from any consumer of the group."""
+        ...
+
+    async def release_own_pending(
+        self, source: GroupPartition, consumer: str, idle_ms: int, *, keep: Iterable[str] = ()
+    ) -> int:
+        """Make ``consumer``'s pending entries (except ``keep``) claimable by others at once (shutdown).
+
+        Nothing is lost: they stay pending; return how many were released.
+        """
+        ...
+
+    async def prune_consumers(self, source: GroupPartition, min_idle_ms: int, *, keep: str = "") -> int:
+        """Forget consumers that hold nothing and were idle ``min_idle_ms`` or longer (never ``keep``,
+        never one with pending entries); return how many consumer records went."""
         ...
 
     async def extend(
@@ -158,71 +257,24 @@ class Broker(Protocol):
         by ``lease_ms``; return their entry ids, with ``.taken``: those another consumer claimed."""
         ...
 
-    async def inbox_claim(self, source: GroupPartition, deliveries: Sequence[Delivery], lease_ms: int) -> list[int]:
-        """Per delivery: 0 leased to the caller, 1 already processed, 2 leased elsewhere."""
+    async def inbox_claim(
+        self, source: GroupPartition, deliveries: Sequence[Delivery], lease_ms: int, *, channel: Any = None
+    ) -> list[int]:
+        """Per delivery: 0 leased to the caller (run it), 1 already processed (ack it), 2 leased
+        elsewhere (leave it pending). Redeliveries take stale leases over."""
         ...
 
-    async def ack(self, source: GroupPartition, deliveries: Sequence[Delivery], *, inbox: bool = False) -> int:
-        """Acknowledge deliveries (one round trip per stream); with ``inbox``, record their ids."""
-        ...
 
-    async def dead_letter(self, delivery: Delivery, reason: dict[str, str]) -> str | None:
-        """Move a delivery to its group's DLQ with ``reason`` fields, atomically with its ack."""
-        ...
+class Settler(Protocol):
+    """Settling deliveries (each step atomic, and a no-op for entries no longer pending), and retention."""
 
-    async def retry_later(self, delivery: Delivery, due_ms: int, *, attempt: int | None = None) -> bool:
-        """Park a delivery for redelivery to its group only at ``due_ms``, atomically with its ack."""
-        ...
-
-    async def move_due(self, source: GroupPartition, now_ms: int, limit: int = 500) -> int:
-        """Deliver the group's delayed retries that are due; each moves exactly once."""
-        ...
-
-    async def trim(self, spec: DestinationSpec, partition: int, now_ms: int) -> int:
-        """Apply retention to one partition without dropping unacknowledged entries."""
-        ...
-
-    # -- used by the runtime beyond the core contract ---------------------------------------------
-
-    namespace: str
-    cluster: bool
-
-    def group_partition(self, spec: DestinationSpec, partition: int, group: str) -> GroupPartition:
-        """The view of ``group`` on one partition (no server call)."""
-        ...
-
-    async def list_subscriptions(self) -> list[tuple[str, str]]:
-        """Every (destination, group) pair that has subscribed, sorted."""
-        ...
-
-    async def unsubscribe(self, spec: DestinationSpec, group: str) -> None:
-        """Remove ``group`` from every partition with its retry, dead-letter and inbox state."""
-        ...
-
-    async def delete_destination(self, spec: DestinationSpec, *, force: bool = False) -> int:
-        """Delete the destination with all its keys and registrations; return how many keys went.
-
-        Refuses while a group is subscribed or entries are stored, unless ``force``.
-        """
-        ...
-
-    def channel(self) -> Any:
-        """A connection of one task's own for its hot path, or None (then calls use the shared pool)."""
-        ...
-
-    async def release_own_pending(
-        self, source: GroupPartition, consumer: str, idle_ms: int, *, keep: Iterable[str] = ()
+    async def ack(
+        self, source: GroupPartition, deliveries: Sequence[Delivery], *, inbox: bool = False, channel: Any = None
     ) -> int:
-        """Make ``consumer``'s pending entries (except ``keep``) claimable by others at once (shutdown)."""
-        ...
+        """Acknowledge deliveries (one round trip); with ``inbox``, record their ids as processed.
 
-    async def count_attempt(self, delivery: Delivery) -> int:
-        """Record that a redelivered message is about to run; return how many such runs it had."""
-        ...
-
-    async def count_first_redeliveries(self, deliveries: Sequence[Delivery]) -> list[bool]:
-        """Count the first redelivered run of each message, in one round trip; False marks a suspect
-        (an earlier redelivered run started and did not complete)."""
+        Returns how many were still pending (acknowledged now).
+        """
         ...
 
     async def commit_effects(
@@ -241,9 +293,46 @@ class Broker(Protocol):
         """
         ...
 
+    async def count_attempt(self, delivery: Delivery) -> int:
+        """Record that a redelivered message is about to run; return how many such runs it had."""
+        ...
+
+    async def count_first_redeliveries(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """Count the first redelivered run of each message, in one round trip; False marks a suspect
+        (an earlier redelivered run started and did not complete)."""
+        ...
+
+    async def dead_letter(self, delivery: Delivery, reason: dict[str, str]) -> str | None:
+        """Move a delivery to its group's DLQ with ``reason`` fields, atomically with its ack.
+
+        Returns the dead letter's id, or None when the entry was no longer pending (nothing written).
+        """
+        ...
+
+    async def retry_later(self, delivery: Delivery, due_ms: int, *, attempt: int | None = None) -> bool:
+        """Park a delivery for redelivery to its group only at ``due_ms``, atomically with its ack.
+
+        False when the entry was no longer pending. Undecodable deliveries raise ``ValueError``.
+        """
+        ...
+
+    async def move_due(self, source: GroupPartition, now_ms: int, limit: int = 500) -> int:
+        """Deliver the group's delayed retries that are due; each moves exactly once, even with
+        several consumers calling at once."""
+        ...
+
+    async def trim(self, spec: DestinationSpec, partition: int, now_ms: int) -> int:
+        """Apply retention to one partition without dropping unacknowledged entries; also forget
+        producer idempotency keys whose window ended. Returns the entries removed."""
+        ...
+
     async def trim_inbox(self, source: GroupPartition, older_than_ms: int) -> int:
         """Forget processed ids recorded before ``older_than_ms`` and leases that expired."""
         ...
+
+
+class DeadLetterAdmin(Protocol):
+    """Operators' tools: dead letters, removing groups and destinations. Never on the hot path."""
 
     async def dead_letter_entries(
         self, view: GroupPartition, count: int | None = None
@@ -259,6 +348,47 @@ class Broker(Protocol):
         """Delete dead letters for good; return how many existed."""
         ...
 
-    async def close(self) -> None:
-        """Release connections."""
+    async def unsubscribe(self, spec: DestinationSpec, group: str) -> None:
+        """Remove ``group`` from every partition with its retry, dead-letter and inbox state.
+
+        No liveness check: callers (``framework unsubscribe``) refuse while consumers are alive.
+        """
         ...
+
+    async def delete_destination(self, spec: DestinationSpec, *, force: bool = False) -> int:
+        """Delete the destination with all its keys and registrations; return how many keys went.
+
+        Refuses while a group is subscribed or entries are stored, unless ``force``.
+        """
+        ...
+
+
+class Connection(Protocol):
+    """Which server and deployment a broker talks to, and closing it."""
+
+    @property
+    def namespace(self) -> str:
+        """Separates deployments (and test runs) on one server; part of consumer identities."""
+        ...
+
+    url: str
+    """The server's URL (may carry a password: pass it through ``broker.redact`` before logging)."""
+    cluster: bool
+    """True on a Redis Cluster: writes of one atomic step must share the delivery's hash tag, so
+    a handler's outgoing messages are published before its effects commit."""
+
+    async def close(self) -> None:
+        """Release connections. Called last; the broker is not used afterwards."""
+        ...
+
+    # -- Redis-specific: what the framework still reaches for beyond the contract ------------------
+
+    redis: Any
+    """The Redis client itself: ``ctx.redis`` hands it to handlers for their own reads. A second
+    transport would offer None here (``ctx.redis`` is then None) or a client of its own."""
+
+
+class Broker(Destinations, Publisher, GroupReader, Settler, DeadLetterAdmin, Connection, Protocol):
+    """A message transport keeping the contract in this module's docstring: everything the
+    framework calls on a broker (``tests/test_broker_conformance.py`` checks that framework code
+    calls nothing else, and that :class:`~broker.RedisBroker` has all of it)."""

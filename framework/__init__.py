@@ -9,35 +9,54 @@ Write services as decorated handlers, run them with ``framework run module:servi
     @billing.event("orders.placed")
     async def charge(event: OrderPlaced, ctx: Context) -> None:
         ctx.publish("payments.captured", PaymentCaptured(event.order_id))
+
+This module is the public surface: every name in ``__all__`` is imported from here, and only
+from here. The features a service needs beyond it are packages named for them:
+:mod:`framework.dead_letters` (list, redrive, purge), :mod:`framework.outbox` (messages that
+commit with your rows), :mod:`framework.sql` (engines for the outbox and SQL effects) and
+:mod:`framework.testing` (run services against a real server until idle). Every other module is
+internal and may change without notice.
 """
 
-from broker import BrokerUnavailable, ConfigurationError, Envelope
+from broker import BrokerUnavailable, ConfigurationError, Envelope, MessageTooLarge
+from framework._payloads import PayloadError, converter
 from framework.client import Batch, Client, SyncClient
 from framework.context import Context
-from framework.payloads import PayloadError, converter
+from framework.middleware import CallNext, InboundMessage, Middleware, Outcome
 from framework.retries import HandlerTimeout, RetryAfter, RetryPolicy
 from framework.runtime import Runtime
-from framework.service import Handler, HandlerError, Queue, Service, Topic
+from framework.service import HandlerError, Queue, Service, Topic
 from framework.settings import RuntimeSettings
 
 __all__ = [
-    "Batch",
-    "BrokerUnavailable",
-    "Client",
-    "ConfigurationError",
-    "Context",
-    "Envelope",
-    "Handler",
-    "HandlerError",
-    "HandlerTimeout",
-    "PayloadError",
+    # writing services
+    "Service",
     "Queue",
-    "RetryAfter",
+    "Topic",
+    "Context",
+    "HandlerError",
+    # retries
     "RetryPolicy",
+    "RetryAfter",
+    "HandlerTimeout",
+    # sending from outside handlers
+    "Client",
+    "SyncClient",
+    "Batch",
+    # running
     "Runtime",
     "RuntimeSettings",
-    "Service",
-    "SyncClient",
-    "Topic",
+    # payloads and messages
     "converter",
+    "PayloadError",
+    "Envelope",
+    # errors the broker raises through the framework
+    "BrokerUnavailable",
+    "ConfigurationError",
+    "MessageTooLarge",
+    # middleware: code around every handler attempt
+    "Middleware",
+    "CallNext",
+    "InboundMessage",
+    "Outcome",
 ]

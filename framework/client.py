@@ -14,10 +14,10 @@ from typing import Any
 
 import anyio.from_thread
 
-from broker import COMMAND, EVENT, Envelope, RedisBroker, connect
+from broker import COMMAND, EVENT, Broker, Envelope, connect
 from broker.codec import check_body_size
 from broker.codec import max_body_bytes as max_body_setting
-from framework.messages import Outgoing, build_envelope
+from framework._messages import Outgoing, build_envelope
 from framework.service import Queue, Topic
 
 __all__ = ["Batch", "Client", "SyncClient"]
@@ -55,7 +55,7 @@ class Client:
         url: str | None = None,
         *,
         namespace: str | None = None,
-        broker: RedisBroker | None = None,
+        broker: Broker | None = None,
         max_body_bytes: int | None = None,
     ) -> None:
         self._url = url
@@ -63,7 +63,6 @@ class Client:
         self._broker = broker
         self._max_body_bytes = max_body_setting(max_body_bytes) if max_body_bytes is not None else None
         self._owns = broker is None
-        self._declared: set[str] = set()
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -72,16 +71,17 @@ class Client:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def connect(self) -> RedisBroker:
+    async def connect(self) -> Broker:
         """Connect now (otherwise the first publish does)."""
         if self._broker is None:
-            self._broker = await connect(self._url, namespace=self._namespace)
+            broker = await connect(self._url, namespace=self._namespace)
             if self._max_body_bytes is not None:
-                self._broker.max_body_bytes = self._max_body_bytes
+                broker.max_body_bytes = self._max_body_bytes
+            self._broker = broker
         return self._broker
 
     @property
-    def broker(self) -> RedisBroker:
+    def broker(self) -> Broker:
         """The connected broker."""
         if self._broker is None:
             raise RuntimeError("client is not connected: use `async with Client()` or await connect()")
@@ -98,10 +98,9 @@ class Client:
         limit = self._max_body_bytes or broker.max_body_bytes
         for env, _ in items:  # before anything is declared or sent
             check_body_size(env, limit)
-        for _, spec in items:
-            if spec is not None and spec.name not in self._declared:
-                await broker.declare(spec)
-                self._declared.add(spec.name)
+        for _, spec in items:  # Queue/Topic objects: declared once per broker; names are routed by publish
+            if spec is not None:
+                await broker.ensure_declared(spec)
         return await broker.publish([env for env, _ in items], dedup_window_ms=dedup_window_ms)
 
     async def send(

@@ -10,9 +10,9 @@ from typing import Any
 from broker import COMMAND, EVENT, Delivery, Envelope, derive_id
 from broker.codec import check_body_size
 from broker.headers import CAUSATION_ID, CORRELATION_ID
+from framework._messages import Outgoing, build_envelope
 from framework.effects import RedisEffects, sql_transaction
 from framework.logs import get_logger
-from framework.messages import Outgoing, build_envelope
 from framework.service import Handler, Queue, Topic
 
 __all__ = ["Context"]
@@ -47,6 +47,7 @@ class Context:
         "_delivery",
         "_duplicate",
         "_effects",
+        "_extra_headers",
         "_handler",
         "_outgoing",
         "_sql_done",
@@ -63,6 +64,7 @@ class Context:
         self._staged = 0  # messages staged so far, including those moved to a SQL outbox: their positions
         self._duplicate = False  # a SQL transaction found this message already processed
         self._sql_done = False  # a SQL transaction of this run committed
+        self._extra_headers: dict[str, str] | None = None  # set by middleware for every outgoing message
         self.attempt = attempt
         """This attempt's number (1 for the first), counting retries and crash redeliveries."""
 
@@ -133,6 +135,42 @@ class Context:
         return self._outgoing
 
     @property
+    def redis_effects(self) -> RedisEffects | None:
+        """The Redis writes this run recorded (``redis_transaction()``), if any: committed with the ack."""
+        return self._effects
+
+    @property
+    def duplicate(self) -> bool:
+        """Whether this run found the message already processed (``sql_transaction``)."""
+        return self._duplicate
+
+    def mark_duplicate(self) -> None:
+        """Record that the message was found processed: it is acknowledged and counted as a duplicate."""
+        self._duplicate = True
+
+    def set_outgoing_header(self, name: str, value: str) -> None:
+        """Set a header on every message this run stages, already staged or staged later.
+
+        For middleware (a trace context, a tenant id): set before ``call_next()`` to also reach
+        messages a ``sql_transaction`` writes to the outbox. It overrides a header of the same
+        name given to ``send``/``publish``.
+        """
+        if self._extra_headers is None:
+            self._extra_headers = {}
+        self._extra_headers[name] = value
+        for env, _ in self._outgoing:
+            env.headers[name] = value
+
+    def _unstage_from(self, position: int) -> list[Outgoing]:
+        """Take back messages staged since ``position`` (a SQL transaction writes them to its outbox)."""
+        staged = self._outgoing[position:]
+        del self._outgoing[position:]  # their positions stay taken (self._staged): later ids differ
+        return staged
+
+    def _sql_committed(self) -> None:
+        self._sql_done = True
+
+    @property
     def hash_tag(self) -> str:
         """The message's Cluster hash tag: keys written in a Redis transaction must carry it on a Cluster."""
         return "{" + f"{self.destination}:{self.partition}" + "}"
@@ -173,6 +211,8 @@ class Context:
         hdrs = {CORRELATION_ID: self.correlation_id, CAUSATION_ID: env.id}
         if headers:
             hdrs.update(headers)
+        if self._extra_headers:
+            hdrs.update(self._extra_headers)
         if self._sql_done:
             log.warning(
                 "message staged after ctx.sql_transaction committed: stage it inside the block. If this "

@@ -66,10 +66,10 @@ async def sql_transaction(ctx: Context, engine: AsyncEngine) -> AsyncIterator[As
     async with engine.begin() as conn:
         if not await outbox.claim_inbox(conn, ctx.service, ctx.message_id):
             raise AlreadyProcessed(f"message {ctx.message_id} was already processed by {ctx.service}")
-        before = len(ctx._outgoing)
+        before = len(ctx.outgoing)
         yield conn
-        staged = ctx._outgoing[before:]
+        staged = ctx.outgoing[before:]
         if staged:
             await outbox.stage(conn, staged)  # with their specs: the relay declares Queue/Topic layouts
-            del ctx._outgoing[before:]  # their positions stay taken (ctx._staged): later ids differ
-    ctx._sql_done = True
+            ctx._unstage_from(before)
+    ctx._sql_committed()

@@ -5,6 +5,8 @@ Every record about a message carries ``message_id``, ``service``, ``handler`` an
 choose the level and format; :func:`configure_logging` is called by the CLI, not on import, so
 applications embedding the framework keep their own structlog configuration. An unknown level or
 format is refused with a ValueError naming the valid ones (a typo must not silently log at info).
+
+Internal: the environment variables above are the interface.
 """
 
 from __future__ import annotations

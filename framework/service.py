@@ -11,15 +11,18 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
 from broker import COMMAND, DEFAULT_RETENTION_MS, EVENT, DestinationSpec, Start, validate_name
-from framework.payloads import decoder_for
+from framework._payloads import decoder_for
 from framework.retries import DEFAULT_RETRY, RetryPolicy
+
+if TYPE_CHECKING:
+    from framework.middleware import Middleware
 
 __all__ = ["Handler", "HandlerError", "Queue", "Service", "Topic"]
 
@@ -146,7 +149,8 @@ class Service:
     deliveries of a message the service already processed; ``timeout`` (seconds or timedelta,
     default 300, None for no limit) is how long a handler may run before it is cancelled and the
     attempt counts as failed (:class:`~framework.retries.HandlerTimeout`), so a hung handler cannot
-    hold its lane forever.
+    hold its lane forever. ``middleware`` wraps each of its handlers (see :mod:`framework.middleware`),
+    after the runtime's, in order; :meth:`middleware` adds one more.
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class Service:
         retry: RetryPolicy | None = None,
         inbox: bool = True,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+        middleware: Sequence[Middleware] = (),
     ) -> None:
         try:
             self.name = validate_name("service", name)
@@ -165,6 +170,19 @@ class Service:
         self.inbox = inbox
         self.timeout = _seconds(timeout, f"service {self.name!r}")
         self.handlers: list[Handler] = []
+        self.middleware_chain: list[Middleware] = []
+        for mw in middleware:
+            self.middleware(mw)
+
+    def middleware(self, fn: Middleware) -> Middleware:
+        """Add ``fn`` (``async def fn(message, ctx, call_next) -> Outcome``) to this service's middleware.
+
+        Usable as a decorator; it runs inside the middleware added before it.
+        """
+        if not callable(fn):
+            raise HandlerError(f"{self.name}: middleware must be an async function (message, ctx, call_next)")
+        self.middleware_chain.append(fn)
+        return fn
 
     def __repr__(self) -> str:
         return f"Service({self.name!r}, handlers={[h.destination.name for h in self.handlers]})"

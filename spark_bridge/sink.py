@@ -1,7 +1,10 @@
 """The ``eventlog`` sink: rows a Spark query computes, published as events, once per row.
 
 Each row becomes one event on its topic. Its id is derived (:func:`broker.ids.derive_id`) and it
-is published through ``publish_once.lua`` with that id as the idempotency key:
+is published with that id as its idempotency key, through the broker's own publish path
+(:meth:`broker.RedisBroker.publish` with the sink's ``dedupWindowMs``; topics the sink has not
+seen are routed with :meth:`~broker.RedisBroker.route`, declared with option ``partitions`` when
+new):
 
 * with option ``idColumn`` (required for batch writes), from that column's value, namespaced by
   option ``sinkId`` (default ``eventlog:<topic>``): writing the same values again publishes
@@ -26,6 +29,7 @@ Columns read from each row (all optional except as noted)::
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import logging
@@ -35,20 +39,18 @@ from decimal import Decimal
 from typing import Any
 
 import orjson
-import redis
 from pyspark import TaskContext
 from pyspark.sql import Row
 from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
 from pyspark.sql.types import StructType
 
-from broker.codec import encode_fields
-from broker.envelope import EVENT, Envelope, now_ms
+from broker.connect import connect, default_namespace
+from broker.envelope import EVENT, Envelope
 from broker.errors import ConfigurationError
 from broker.headers import IDEMPOTENCY_KEY
 from broker.ids import derive_id
-from broker.keys import KeySpace
-from broker.scripts import load_scripts
-from broker.topology import DestinationSpec, validate_name
+from broker.protocol import Broker
+from broker.topology import validate_name
 
 __all__ = ["EventBatchWriter", "EventStreamWriter", "SinkCommit", "SinkSettings", "parse_sink_options"]
 
@@ -66,7 +68,7 @@ _SINK_OPTIONS = (
     "path",
     "queryname",
 )
-_FLUSH = 500  # rows per pipeline round trip
+_FLUSH = 500  # rows per publish call (one pipeline round trip)
 
 log = logging.getLogger("spark_bridge")
 
@@ -139,8 +141,6 @@ def parse_sink_options(
             "no broker URL for the eventlog sink: call spark_bridge.register(spark) or set option url"
         )
     partitions = int(merged.get("partitions", "1"))
-    from broker.connect import default_namespace
-
     return SinkSettings(
         url=url,
         namespace=merged.get("namespace") or default_namespace(),
@@ -170,27 +170,12 @@ def _jsonable(value: Any) -> Any:
 
 
 class _Publisher:
-    """Publishes the rows of one task through publish_once.lua, declaring missing topics."""
+    """Publishes the rows of one task through the broker's publish path, on an event loop of its own."""
 
     def __init__(self, settings: SinkSettings) -> None:
         self.s = settings
-        self.keyspace = KeySpace(settings.namespace)
-        self.client = redis.Redis.from_url(settings.url, protocol=2, socket_connect_timeout=5)
-        self.script = self.client.register_script(load_scripts()["publish_once"].source)
-        self.specs: dict[str, DestinationSpec] = {}
+        self.routed: set[str] = set()
         self.published = self.duplicates = 0
-
-    def spec(self, topic: str) -> DestinationSpec:
-        spec = self.specs.get(topic)
-        if spec is None:
-            key = self.keyspace.destinations
-            wanted = DestinationSpec(name=validate_name("topic", topic), kind=EVENT, partitions=self.s.partitions)
-            self.client.hsetnx(key, topic, orjson.dumps(wanted.to_json()))
-            spec = DestinationSpec.from_json(orjson.loads(self.client.hget(key, topic)))
-            if not spec.is_topic:
-                raise ConfigurationError(f"{topic!r} is a queue; the eventlog sink publishes events to topics")
-            self.specs[topic] = spec
-        return spec
 
     def envelope(self, row: Row, parent: str, salt: str) -> Envelope:
         values = row.asDict(recursive=False)
@@ -230,35 +215,35 @@ class _Publisher:
             id=event_id,
         )
 
-    def flush(self, envelopes: list[Envelope]) -> None:
+    async def flush(self, broker: Broker, envelopes: list[Envelope]) -> None:
         if not envelopes:
             return
-        pipe = self.client.pipeline(transaction=False)
-        now = now_ms()
-        for env in envelopes:
-            pkeys = self.keyspace.partition(env.destination, self.spec(env.destination).partition_for(env.key, env.id))
-            self.script(
-                keys=[pkeys.stream, pkeys.published],
-                args=[env.id, now, self.s.dedup_window_ms, *encode_fields(env)],
-                client=pipe,
-            )
-        for reply in pipe.execute():
-            if reply:
-                self.published += 1
-            else:
+        for topic in dict.fromkeys(env.destination for env in envelopes):
+            if topic not in self.routed:  # declared with the sink's partitions when new; a queue is refused
+                await broker.route(validate_name("topic", topic), EVENT, partitions=self.s.partitions)
+                self.routed.add(topic)
+        for entry in await broker.publish(envelopes, dedup_window_ms=self.s.dedup_window_ms):
+            if entry is None:
                 self.duplicates += 1
+            else:
+                self.published += 1
         envelopes.clear()
 
     def run(self, rows: Iterator[Row], parent: str, partition_id: int) -> SinkCommit:
+        """Publish every row (Spark calls tasks on plain threads: no event loop is running here)."""
+        return asyncio.run(self._run(rows, parent, partition_id))
+
+    async def _run(self, rows: Iterator[Row], parent: str, partition_id: int) -> SinkCommit:
+        broker = await connect(self.s.url, namespace=self.s.namespace)
         pending: list[Envelope] = []
         try:
             for index, row in enumerate(rows):
                 pending.append(self.envelope(row, parent, f"{partition_id}/{index}"))
                 if len(pending) >= _FLUSH:
-                    self.flush(pending)
-            self.flush(pending)
+                    await self.flush(broker, pending)
+            await self.flush(broker, pending)
         finally:
-            self.client.close()
+            await broker.close()
         return SinkCommit(published=self.published, duplicates=self.duplicates)
 
 

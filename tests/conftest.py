@@ -81,7 +81,7 @@ def pg_server() -> Iterator[str]:
             pytest.skip("DATABASE_URL is not PostgreSQL")
         yield url
         return
-    from framework.sql import embedded_postgres
+    from framework.testing import embedded_postgres
 
     with embedded_postgres() as url:
         yield url
@@ -90,7 +90,7 @@ def pg_server() -> Iterator[str]:
 @pytest.fixture
 def pg_url(pg_server: str) -> Iterator[str]:
     """A fresh database on the test PostgreSQL server, dropped after the test."""
-    from framework.sql import temporary_database
+    from framework.testing import temporary_database
 
     with temporary_database(pg_server, prefix="framework_test") as url:
         yield url

@@ -1,17 +1,60 @@
 """The Broker contract (broker/protocol.py), checked against the real server.
 
-Written against the ``Broker`` protocol so another transport can be run through the same module.
+Every test takes its broker from ``broker_factory``, parametrized over :data:`FACTORIES` (as
+Watermill's ``TestPubSub`` takes a constructor): a second transport is run through this module by
+adding one factory. Some checks read what is stored through the Redis implementation's own
+``broker.redis``, ``broker.keyspace`` and ``broker.stream_groups`` (the layout of ``broker/keys.py``);
+a second transport would come with equivalent reads for those.
 """
 
 from __future__ import annotations
+
+import ast
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import anyio
 import orjson
 import pytest
 
-from broker import ConfigurationError, DestinationSpec, EffectsFailed, Envelope, RedisBroker, now_ms
+from broker import Broker, ConfigurationError, DestinationSpec, EffectsFailed, Envelope, RedisBroker, connect, now_ms
+from broker.redis_broker import ROLES
 
 pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+
+BrokerFactory = Callable[[], Awaitable[Broker]]
+"""Makes a new broker on the test's server and namespace; the fixture closes every one it made."""
+
+
+def redis_streams(request: pytest.FixtureRequest) -> BrokerFactory:
+    """:class:`~broker.RedisBroker` on the session's server (embedded Valkey unless REDIS_URL is set)."""
+    url, namespace = request.getfixturevalue("redis_url"), request.getfixturevalue("namespace")
+    return lambda: connect(url, namespace=namespace)
+
+
+FACTORIES: dict[str, Callable[[pytest.FixtureRequest], BrokerFactory]] = {"redis": redis_streams}
+
+
+@pytest.fixture(params=sorted(FACTORIES))
+async def broker_factory(request: pytest.FixtureRequest) -> AsyncIterator[BrokerFactory]:
+    make = FACTORIES[request.param](request)
+    made: list[Broker] = []
+
+    async def factory() -> Broker:
+        made.append(await make())
+        return made[-1]
+
+    yield factory
+    for b in made:
+        await b.close()
+
+
+@pytest.fixture
+async def broker(broker_factory: BrokerFactory) -> Broker:
+    return await broker_factory()
 
 
 def event(topic: str, n: int, key: str | None = None) -> Envelope:
@@ -26,7 +69,7 @@ def numbers(deliveries: list) -> list[int]:
     return [orjson.loads(d.envelope.body)["n"] for d in deliveries]
 
 
-async def test_publish_then_read_in_order_with_envelope_intact(broker: RedisBroker) -> None:
+async def test_publish_then_read_in_order_with_envelope_intact(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("orders.placed", "event"))
     [view] = await broker.subscribe(spec, "billing")
     sent = [event("orders.placed", i, key="k") for i in range(5)]
@@ -46,7 +89,7 @@ async def test_publish_then_read_in_order_with_envelope_intact(broker: RedisBrok
     assert got[0].delivery_count == 1 and got[0].attempt == 1
 
 
-async def test_each_group_of_a_topic_gets_every_event(broker: RedisBroker) -> None:
+async def test_each_group_of_a_topic_gets_every_event(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("orders.placed", "event", partitions=3))
     groups = {g: await broker.subscribe(spec, g) for g in ("billing", "shipping")}
     await broker.publish([event("orders.placed", i, key=f"k{i}") for i in range(30)])
@@ -55,7 +98,7 @@ async def test_each_group_of_a_topic_gets_every_event(broker: RedisBroker) -> No
         assert sorted(numbers(got)) == list(range(30))
 
 
-async def test_same_key_lands_in_one_partition_in_order(broker: RedisBroker) -> None:
+async def test_same_key_lands_in_one_partition_in_order(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("orders.placed", "event", partitions=4))
     views = await broker.subscribe(spec, "billing")
     await broker.publish([event("orders.placed", i, key="same") for i in range(20)])
@@ -64,7 +107,7 @@ async def test_same_key_lands_in_one_partition_in_order(broker: RedisBroker) -> 
     assert sum(len(p) for p in per_partition) == 20
 
 
-async def test_queue_entry_goes_to_one_consumer_and_is_deleted_on_ack(broker: RedisBroker) -> None:
+async def test_queue_entry_goes_to_one_consumer_and_is_deleted_on_ack(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("billing.refund", "command"))
     [view] = await broker.subscribe(spec, "billing")
     await broker.publish([command("billing.refund", i) for i in range(10)])
@@ -76,14 +119,14 @@ async def test_queue_entry_goes_to_one_consumer_and_is_deleted_on_ack(broker: Re
     assert await broker.redis.xlen(view.stream) == 0
 
 
-async def test_a_queue_has_one_owning_service(broker: RedisBroker) -> None:
+async def test_a_queue_has_one_owning_service(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("billing.refund", "command"))
     await broker.subscribe(spec, "billing")
     with pytest.raises(ConfigurationError, match="one owning service"):
         await broker.subscribe(spec, "shipping")
 
 
-async def test_declaring_a_conflicting_destination_is_a_clear_error(broker: RedisBroker) -> None:
+async def test_declaring_a_conflicting_destination_is_a_clear_error(broker: Broker) -> None:
     await broker.declare(DestinationSpec("orders.placed", "event", partitions=2))
     with pytest.raises(ConfigurationError, match="2 partition"):
         await broker.declare(DestinationSpec("orders.placed", "event", partitions=3))
@@ -91,7 +134,7 @@ async def test_declaring_a_conflicting_destination_is_a_clear_error(broker: Redi
         await broker.publish([command("orders.placed", 1)])
 
 
-async def test_unacked_entries_are_reread_by_their_consumer_and_claimed_by_others(broker: RedisBroker) -> None:
+async def test_unacked_entries_are_reread_by_their_consumer_and_claimed_by_others(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("billing.refund", "command"))
     [view] = await broker.subscribe(spec, "billing")
     await broker.publish([command("billing.refund", i) for i in range(3)])
@@ -107,7 +150,7 @@ async def test_unacked_entries_are_reread_by_their_consumer_and_claimed_by_other
     assert await broker.read_own_pending(view, "a", 10) == []
 
 
-async def test_extend_keeps_entries_from_being_claimed(broker: RedisBroker) -> None:
+async def test_extend_keeps_entries_from_being_claimed(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("billing.refund", "command"))
     [view] = await broker.subscribe(spec, "billing")
     await broker.publish([command("billing.refund", 1)])
@@ -120,7 +163,7 @@ async def test_extend_keeps_entries_from_being_claimed(broker: RedisBroker) -> N
     assert await broker.extend(view, "a", held) == set()  # lost to b: not touched
 
 
-async def test_dead_letter_is_atomic_with_ack_and_happens_once(broker: RedisBroker) -> None:
+async def test_dead_letter_is_atomic_with_ack_and_happens_once(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("billing.refund", "command"))
     [view] = await broker.subscribe(spec, "billing")
     await broker.publish([command("billing.refund", 7)])
@@ -134,7 +177,7 @@ async def test_dead_letter_is_atomic_with_ack_and_happens_once(broker: RedisBrok
     assert fields[b"dlq-reason"] == b"boom" and fields[b"id"] == d.envelope.id.encode()
 
 
-async def test_retry_path_redelivers_to_the_failing_group_only(broker: RedisBroker) -> None:
+async def test_retry_path_redelivers_to_the_failing_group_only(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("orders.placed", "event"))
     [billing] = await broker.subscribe(spec, "billing")
     [shipping] = await broker.subscribe(spec, "shipping")
@@ -149,7 +192,7 @@ async def test_retry_path_redelivers_to_the_failing_group_only(broker: RedisBrok
     assert await broker.read(shipping, "s", 10, 10) == []
 
 
-async def test_concurrent_schedulers_move_each_retry_once(broker: RedisBroker) -> None:
+async def test_concurrent_schedulers_move_each_retry_once(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("billing.refund", "command"))
     [view] = await broker.subscribe(spec, "billing")
     await broker.publish([command("billing.refund", i) for i in range(200)])
@@ -170,7 +213,7 @@ async def test_concurrent_schedulers_move_each_retry_once(broker: RedisBroker) -
     assert sorted(numbers(again)) == list(range(200))
 
 
-async def test_trimming_never_drops_an_entry_a_group_has_not_acked(broker: RedisBroker) -> None:
+async def test_trimming_never_drops_an_entry_a_group_has_not_acked(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("orders.placed", "event", retention_ms=1, max_length=5))
     [fast] = await broker.subscribe(spec, "fast")
     [slow] = await broker.subscribe(spec, "slow")
@@ -191,7 +234,7 @@ async def test_trimming_never_drops_an_entry_a_group_has_not_acked(broker: Redis
     assert await broker.redis.xlen(slow.stream) == 0  # retention 1 ms: all acked events go
 
 
-async def test_length_retention_keeps_newest_entries(broker: RedisBroker) -> None:
+async def test_length_retention_keeps_newest_entries(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("metrics", "event", retention_ms=None, max_length=10))
     [view] = await broker.subscribe(spec, "reader")
     await broker.publish([event("metrics", i) for i in range(30)])
@@ -200,7 +243,7 @@ async def test_length_retention_keeps_newest_entries(broker: RedisBroker) -> Non
     assert await broker.redis.xlen(view.stream) == 10
 
 
-async def test_new_group_can_start_at_latest(broker: RedisBroker) -> None:
+async def test_new_group_can_start_at_latest(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("orders.placed", "event"))
     await broker.publish([event("orders.placed", 1)])
     [late] = await broker.subscribe(spec, "late", start="latest")
@@ -210,7 +253,7 @@ async def test_new_group_can_start_at_latest(broker: RedisBroker) -> None:
     assert numbers(await broker.read(early, "c", 10, 10)) == [1, 2]
 
 
-async def test_idempotency_key_stores_a_message_once(broker: RedisBroker) -> None:
+async def test_idempotency_key_stores_a_message_once(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("billing.refund", "command"))
     [view] = await broker.subscribe(spec, "billing")
     first = command("billing.refund", 1)
@@ -222,7 +265,7 @@ async def test_idempotency_key_stores_a_message_once(broker: RedisBroker) -> Non
     assert len(await broker.read(view, "c", 10, 10)) == 1
 
 
-async def test_undecodable_entries_are_delivered_with_the_reason(broker: RedisBroker) -> None:
+async def test_undecodable_entries_are_delivered_with_the_reason(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("billing.refund", "command"))
     [view] = await broker.subscribe(spec, "billing")
     await broker.redis.xadd(view.stream, {"garbage": b"\xff\x00"})
@@ -231,7 +274,7 @@ async def test_undecodable_entries_are_delivered_with_the_reason(broker: RedisBr
     assert await broker.dead_letter(d, {"dlq-reason": d.error or ""})
 
 
-async def test_inbox_claim_leases_new_ids_and_reports_duplicates(broker: RedisBroker) -> None:
+async def test_inbox_claim_leases_new_ids_and_reports_duplicates(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("billing.refund", "command"))
     [view] = await broker.subscribe(spec, "billing")
     original = command("billing.refund", 1)
@@ -249,7 +292,7 @@ async def test_inbox_claim_leases_new_ids_and_reports_duplicates(broker: RedisBr
     assert await broker.trim_inbox(view, now_ms() + 1) == 1  # past the dedup window: forgotten
 
 
-async def test_a_mixed_batch_keeps_its_order_per_stream(broker: RedisBroker) -> None:
+async def test_a_mixed_batch_keeps_its_order_per_stream(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("billing.refund", "command"))
     [view] = await broker.subscribe(spec, "billing")
     batch = [command("billing.refund", i) for i in range(6)]
@@ -260,7 +303,7 @@ async def test_a_mixed_batch_keeps_its_order_per_stream(broker: RedisBroker) -> 
     assert numbers(await broker.read(view, "c", 10, 10)) == [0, 1, 2, 3, 4, 5]
 
 
-async def test_idempotency_key_without_a_message_key_is_checked_in_one_partition(broker: RedisBroker) -> None:
+async def test_idempotency_key_without_a_message_key_is_checked_in_one_partition(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("orders.placed", "event", partitions=4))
     views = await broker.subscribe(spec, "billing")
     repeats = [event("orders.placed", i) for i in range(8)]  # no message key: each has its own random id
@@ -277,7 +320,7 @@ async def test_idempotency_key_without_a_message_key_is_checked_in_one_partition
     assert len(await broker.redis.xrange(by_key, entry, entry)) == 1
 
 
-async def test_idempotency_key_expires_with_its_window_and_expired_keys_are_removed(broker: RedisBroker) -> None:
+async def test_idempotency_key_expires_with_its_window_and_expired_keys_are_removed(broker: Broker) -> None:
     spec = await broker.declare(DestinationSpec("billing.refund", "command"))
     [view] = await broker.subscribe(spec, "billing")
     published = broker.keyspace.partition("billing.refund", 0).published
@@ -308,7 +351,7 @@ async def test_idempotency_key_expires_with_its_window_and_expired_keys_are_remo
     assert await broker.redis.zcard(published) == 0
 
 
-async def effects_fixture(broker: RedisBroker, namespace: str) -> tuple:
+async def effects_fixture(broker: Broker, namespace: str) -> tuple:
     spec = await broker.declare(DestinationSpec("wallet.credit", "command"))
     [view] = await broker.subscribe(spec, "wallet")
     await broker.publish([command("wallet.credit", 100)])
@@ -320,7 +363,7 @@ async def effects_fixture(broker: RedisBroker, namespace: str) -> tuple:
 
 
 async def test_effects_failing_half_way_are_dead_lettered_once_and_never_applied_again(
-    broker: RedisBroker, namespace: str
+    broker: Broker, namespace: str
 ) -> None:
     view, d, balances, wrong = await effects_fixture(broker, namespace)
     commands = [("HINCRBY", balances, "a", 100), ("HSET", wrong, "f", "v"), ("HINCRBY", balances, "b", 1)]
@@ -359,7 +402,7 @@ async def test_effects_failing_half_way_are_dead_lettered_once_and_never_applied
 
 
 async def test_effects_failing_at_the_first_command_are_dead_lettered_with_nothing_applied(
-    broker: RedisBroker, namespace: str
+    broker: Broker, namespace: str
 ) -> None:
     view, d, balances, wrong = await effects_fixture(broker, namespace)
     with pytest.raises(EffectsFailed) as failed:
@@ -371,7 +414,7 @@ async def test_effects_failing_at_the_first_command_are_dead_lettered_with_nothi
     assert await broker.redis.zscore(view.keys.inbox, d.message_id) is None
 
 
-async def test_effects_of_a_deleted_entry_are_dead_lettered_as_empty(broker: RedisBroker, namespace: str) -> None:
+async def test_effects_of_a_deleted_entry_are_dead_lettered_as_empty(broker: Broker, namespace: str) -> None:
     view, d, balances, wrong = await effects_fixture(broker, namespace)
     await broker.redis.xdel(view.stream, d.entry_id)  # gone while pending
     with pytest.raises(EffectsFailed):
@@ -380,7 +423,7 @@ async def test_effects_of_a_deleted_entry_are_dead_lettered_as_empty(broker: Red
     assert fields[b"dlq-empty"] == b"1" and b"(LPUSH)" in fields[b"dlq-reason"]
 
 
-async def test_departed_consumers_with_nothing_pending_are_pruned(broker: RedisBroker) -> None:
+async def test_departed_consumers_with_nothing_pending_are_pruned(broker: Broker) -> None:
     spec = DestinationSpec("prune.q", "command")
     [view] = await broker.subscribe(spec, "g")
     await broker.publish([Envelope(destination="prune.q", kind="command", type="t", body=b"{}") for _ in range(3)])
@@ -393,3 +436,95 @@ async def test_departed_consumers_with_nothing_pending_are_pruned(broker: RedisB
     names = {c["name"].decode() for c in await broker.redis.xinfo_consumers(view.stream, "g")}
     assert names == {"holder", "me"}  # the holder's entry stays claimable; we are kept
     assert held.entry_id
+
+
+# -- declare on first use: route (by name) and ensure_declared (a full spec) -------------------------
+
+
+async def test_route_declares_on_first_use_and_refuses_the_other_kind(broker_factory: BrokerFactory) -> None:
+    a, b = await broker_factory(), await broker_factory()
+    spec = await a.route("audit.log", "event", partitions=3)
+    assert (spec.name, spec.kind, spec.partitions) == ("audit.log", "event", 3)
+    assert await b.get_destination("audit.log") == spec  # in the registry, not only in a's cache
+    assert await b.route("audit.log", "event") == spec  # an existing destination keeps its partitions
+    with pytest.raises(
+        ConfigurationError, match=r"cannot send\(\) a command to 'audit.log': it is declared as a topic"
+    ):
+        await b.route("audit.log", "command")
+    with pytest.raises(ConfigurationError, match="invalid destination name"):
+        await a.route("no spaces", "event")
+    [entry] = await a.publish([event("fresh.topic", 1)])  # publish routes the same way
+    assert entry and await b.get_destination("fresh.topic") == DestinationSpec("fresh.topic", "event")
+
+
+async def test_ensure_declared_declares_once_per_broker_and_reports_conflicts(broker_factory: BrokerFactory) -> None:
+    a, b = await broker_factory(), await broker_factory()
+    spec = DestinationSpec("billing.refund", "command", partitions=2)
+    assert await a.ensure_declared(spec) == spec
+    with pytest.raises(ConfigurationError, match="2 partition"):
+        await b.ensure_declared(DestinationSpec("billing.refund", "command", partitions=3))
+    with pytest.raises(ConfigurationError, match="already declared as a queue"):
+        await b.ensure_declared(DestinationSpec("billing.refund", "event", partitions=2))
+    shorter = DestinationSpec("billing.refund", "command", partitions=2, retention_ms=1000)
+    assert await b.ensure_declared(shorter) == shorter  # another spec is declared again: the latest retention wins
+    assert await (await broker_factory()).get_destination("billing.refund") == shorter
+    assert await a.ensure_declared(spec) == spec  # a's own spec again: declared again, as it differs from b's
+    await b.delete_destination(spec)  # behind a's back: a holds the spec, so it does not declare it again
+    assert await a.ensure_declared(spec) == spec
+    assert await (await broker_factory()).get_destination("billing.refund") is None
+
+
+# -- the protocol is honest: the broker has all of it, and the framework calls nothing else ----------
+
+
+def _protocol_members() -> set[str]:
+    names: set[str] = set()
+    for cls in Broker.__mro__:
+        if cls in (Broker, object) or not getattr(cls, "_is_protocol", False) or cls.__module__ == "typing":
+            continue
+        names |= {n for n in vars(cls) if not n.startswith("_")} | set(getattr(cls, "__annotations__", {}))
+    return names | {n for n in vars(Broker) if not n.startswith("_")}
+
+
+async def test_the_broker_has_every_member_of_the_protocol(broker: Broker) -> None:
+    members = _protocol_members()
+    assert {"publish", "read", "ack", "route", "ensure_declared", "channel", "redis", "cluster"} <= members
+    for name in sorted(members):
+        assert hasattr(broker, name), f"the broker has no {name!r}"
+        declared = inspect.getattr_static(Broker, name, None)
+        if not inspect.isfunction(declared):
+            continue  # an attribute or property
+        want = inspect.signature(declared).parameters
+        have = inspect.signature(getattr(broker, name)).parameters
+        for param in list(want.values())[1:]:  # without self
+            assert param.name in have, f"{name}() lacks parameter {param.name!r}"
+            got = have[param.name]
+            assert (got.kind, got.default) == (param.kind, param.default), f"{name}({param.name}) differs"
+        extra = [p for p in have.values() if p.name not in want and p.default is inspect.Parameter.empty]
+        assert not extra, f"{name}() requires parameters the protocol does not have: {extra}"
+
+
+def test_framework_code_calls_nothing_on_a_broker_beyond_the_protocol() -> None:
+    """Every ``<...>broker.<name>`` in framework/ names a member of :class:`broker.Broker`."""
+    members = _protocol_members()
+    outside: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "framework").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name.lstrip("_").endswith("broker") and node.attr not in members:
+                outside.setdefault(node.attr, set()).add(str(path.relative_to(ROOT)))
+    assert outside == {}, "framework code uses broker members that are not in broker.protocol.Broker"
+
+
+def test_the_redis_roles_define_each_name_once() -> None:
+    """RedisBroker is made of role mixins: none may silently override another's method."""
+    seen: dict[str, str] = {}
+    for role in {c for r in ROLES for c in r.__mro__ if c.__module__.startswith("broker._redis")}:
+        for name in vars(role):
+            if not name.startswith("__"):
+                assert name not in seen, f"{name!r} is defined by {seen[name]} and {role.__name__}"
+                seen[name] = role.__name__
+    assert issubclass(RedisBroker, ROLES)

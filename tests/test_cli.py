@@ -134,3 +134,58 @@ def test_the_demo_runs_end_to_end(worker_env: dict[str, str], namespace: str) ->
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "all checks passed" in out.stdout
+
+
+def test_an_import_failure_names_the_users_line_not_the_frameworks(tmp_path: Path, worker_env: dict[str, str]) -> None:
+    # The error is raised inside framework/retries.py, called from line 3 of the user's module.
+    (tmp_path / "badpolicy.py").write_text(
+        "from framework import RetryPolicy\n\nPOLICY = RetryPolicy(max_attempts=0)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "framework", "run", "badpolicy"],
+        env={**worker_env, "PYTHONPATH": os.pathsep.join(sys.path)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "cannot import 'badpolicy': ValueError at badpolicy.py:3:" in out.stderr, out.stderr
+
+
+_WITHOUT_SQL = (
+    "import sys\n"
+    "for name in ('sqlalchemy', 'psycopg', 'aiosqlite'):\n"
+    "    sys.modules[name] = None  # as on the core install, without the sql extra\n"
+    "from framework.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["outbox", "relay", "--once"],
+        ["outbox", "migrate"],
+        ["outbox", "ddl"],
+        ["outbox", "status"],
+        ["outbox", "retry", "--all"],
+    ],
+)
+def test_outbox_commands_name_the_sql_extra_on_the_core_install(args: list[str], worker_env: dict[str, str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_SQL, *args], env=worker_env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"framework outbox {args[1]}: the outbox needs the SQL extra (sqlalchemy is missing): "
+        "pip install 'framework[sql]'"
+    ]
+
+
+def test_the_other_commands_work_on_the_core_install(worker_env: dict[str, str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_SQL, "status", "--json"], env=worker_env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []

@@ -353,3 +353,23 @@ def test_redrive_shows_a_progress_bar_on_a_terminal(
     assert "redriving" in text and "30/30" in text, text
     assert "redrove 30 dead letter(s)" in text
     assert r.xlen(f"{namespace}:{{dead.q:0}}:g:svc:redeliver") == 30
+
+
+def test_redrive_reports_progress_before_the_first_letter_and_after_each(
+    r: redis.Redis, namespace: str, redis_url: str
+) -> None:
+    from framework.dead_letters import DeadLetters
+
+    _dead_letters(redis_url, namespace, r, 3)
+    calls: list[tuple[int, int]] = []
+
+    async def redrive() -> int:
+        broker = await connect(redis_url, namespace=namespace)
+        try:
+            return await DeadLetters(broker).redrive(everything=True, progress=lambda *p: calls.append(p))
+        finally:
+            await broker.close()
+
+    assert anyio.run(redrive) == 3
+    assert calls == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    assert r.xlen(f"{namespace}:{{dead.q:0}}:g:svc:redeliver") == 3

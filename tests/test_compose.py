@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from framework.cli import build_parser, load_services
+from framework.cli import build_parser
+from framework.cli.run import load_services
 
 ROOT = Path(__file__).resolve().parent.parent
 _REQUIRED_VAR = re.compile(r"\$\{(\w+):\?[^}]*\}")

@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from framework import Context, HandlerError, Queue, Service, Topic
-from framework.payloads import PayloadError, decoder_for, encode_payload, type_name
+from framework._payloads import PayloadError, decoder_for, encode_payload, type_name
 
 
 @attrs.frozen

@@ -7,6 +7,7 @@ the ``framework`` command works without the ``sql`` extra.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 import anyio
 
 from framework.cli.args import duration, positive_int
+from framework.cli.common import UsageError, connection_options, print_json
 
 __all__ = ["register"]
 
@@ -38,12 +40,12 @@ class _Fail(Exception):
     """A failure reported in one line with exit status 1 (the database, not the arguments)."""
 
 
-def _engine(args: argparse.Namespace, usage_error: type[Exception]) -> Any:
+def _engine(args: argparse.Namespace) -> Any:
     outbox, _ = _sql_modules()
     try:
         return outbox.create_engine(args.database_url)
     except ValueError as exc:
-        raise usage_error(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -54,6 +56,7 @@ def _one_line(exc: BaseException) -> str:
 def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Report database failures in one line (exit 1), as the other commands do for the broker."""
 
+    @functools.wraps(run)
     def command(args: argparse.Namespace) -> int:
         try:
             return run(args)
@@ -88,149 +91,150 @@ async def _checked(engine: Any) -> None:
         raise _Fail(str(exc)) from None
 
 
-def _commands(usage_error: type[Exception]) -> dict[str, Callable[[argparse.Namespace], int]]:
-    def relay_cmd(args: argparse.Namespace) -> int:
-        from redis.exceptions import RedisError
-        from sqlalchemy.exc import SQLAlchemyError
+@_guarded
+def relay_command(args: argparse.Namespace) -> int:
+    """Publish committed outbox messages until a signal (``--once``: what waits now, then exit)."""
+    engine = _engine(args)  # first: it says in one line when the sql extra is missing
 
-        from broker import connect
-        from framework.logs import get_logger
-        from framework.outbox.relay import OutboxRelay
+    from redis.exceptions import RedisError
+    from sqlalchemy.exc import SQLAlchemyError
 
-        engine = _engine(args, usage_error)
-        log = get_logger("framework.cli")
+    from broker import connect
+    from framework.logs import get_logger
+    from framework.outbox import OutboxRelay
 
-        async def main() -> int:
+    log = get_logger("framework.cli")
+
+    async def main() -> int:
+        try:
+            await _checked(engine)
+            broker = await connect(args.redis_url, namespace=args.namespace)
             try:
-                await _checked(engine)
-                broker = await connect(args.redis_url, namespace=args.namespace)
-                try:
-                    relay = OutboxRelay(
-                        engine,
-                        broker,
-                        batch_size=args.batch_size,
-                        poll_interval=args.poll_interval,
-                        retention=args.retention,
-                        inbox_retention=args.inbox_retention,
-                        concurrency=args.concurrency,
-                        max_shards=args.max_shards,
+                relay = OutboxRelay(
+                    engine,
+                    broker,
+                    batch_size=args.batch_size,
+                    poll_interval=args.poll_interval,
+                    retention=args.retention,
+                    inbox_retention=args.inbox_retention,
+                    concurrency=args.concurrency,
+                    max_shards=args.max_shards,
+                )
+                if args.once:
+                    try:
+                        settled = await relay.drain()
+                    except (RedisError, SQLAlchemyError) as exc:
+                        raise _Fail(
+                            f"stopped after publishing {relay.published} message(s): {_one_line(exc)}; "
+                            "the next run publishes the rest"
+                        ) from None
+                    print(
+                        f"published {relay.published} message(s)"
+                        + (f", set {settled - relay.published} aside" if settled > relay.published else "")
                     )
-                    if args.once:
-                        try:
-                            settled = await relay.drain()
-                        except (RedisError, SQLAlchemyError) as exc:
-                            raise _Fail(
-                                f"stopped after publishing {relay.published} message(s): {_one_line(exc)}; "
-                                "the next run publishes the rest"
-                            ) from None
-                        print(
-                            f"published {relay.published} message(s)"
-                            + (f", set {settled - relay.published} aside" if settled > relay.published else "")
-                        )
-                        return 0
-                    async with anyio.create_task_group() as tg:
-                        tg.start_soon(_stop_on_signals, relay, log)
-                        await relay.run()
-                        tg.cancel_scope.cancel()
                     return 0
-                finally:
-                    await broker.close()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_stop_on_signals, relay, log)
+                    await relay.run()
+                    tg.cancel_scope.cancel()
+                return 0
             finally:
-                await engine.dispose()
+                await broker.close()
+        finally:
+            await engine.dispose()
 
-        return anyio.run(main)
+    return anyio.run(main)
 
-    def migrate_cmd(args: argparse.Namespace) -> int:
-        outbox, sql = _sql_modules()
-        engine = _engine(args, usage_error)
 
-        async def main() -> None:
+@_guarded
+def migrate_command(args: argparse.Namespace) -> int:
+    """Create the outbox and inbox tables (idempotent)."""
+    outbox, sql = _sql_modules()
+    engine = _engine(args)
+
+    async def main() -> None:
+        try:
             try:
-                try:
-                    await sql.ping(engine)
-                except sql.DatabaseUnavailable as exc:
-                    raise _Fail(str(exc)) from None
-                await outbox.create_tables(engine)
-            finally:
-                await engine.dispose()
+                await sql.ping(engine)
+            except sql.DatabaseUnavailable as exc:
+                raise _Fail(str(exc)) from None
+            await outbox.create_tables(engine)
+        finally:
+            await engine.dispose()
 
-        anyio.run(main)
-        print(f"outbox and inbox tables are in place in {sql.redact_url(engine.url)}")
+    anyio.run(main)
+    print(f"outbox and inbox tables are in place in {sql.redact_url(engine.url)}")
+    return 0
+
+
+@_guarded
+def ddl_command(args: argparse.Namespace) -> int:
+    """Print the DDL of the tables, for the user's own migration tool."""
+    outbox, sql = _sql_modules()
+    dialect = args.dialect
+    if dialect is None:
+        try:
+            dialect = sql.resolve_url(args.database_url).get_backend_name()
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    sys.stdout.write(outbox.ddl(dialect))
+    return 0
+
+
+@_guarded
+def status_command(args: argparse.Namespace) -> int:
+    """Print how many messages wait, were refused and were sent, and the inbox records."""
+    _, sql = _sql_modules()
+    engine = _engine(args)
+
+    async def main() -> dict[str, Any]:
+        try:
+            await _checked(engine)
+            return await _status(engine)
+        finally:
+            await engine.dispose()
+
+    st = anyio.run(main)
+    if args.json:
+        print_json(st)
         return 0
+    print(f"database:  {sql.redact_url(engine.url)}")
+    oldest = st["oldest_waiting_seconds"]
+    age = f" (oldest waiting {oldest:.1f} s)" if oldest is not None else ""
+    print(f"waiting:   {st['waiting']}{age}")
+    print(
+        f"refused:   {st['refused']}"
+        + ("  (see the error column; `framework outbox retry` once fixed)" if st["refused"] else "")
+    )
+    print(f"sent:      {st['sent']} (kept for the retention period)")
+    print(f"inbox:     {st['inbox']} record(s)")
+    return 0
 
-    def ddl_cmd(args: argparse.Namespace) -> int:
-        outbox, sql = _sql_modules()
-        dialect = args.dialect
-        if dialect is None:
-            try:
-                dialect = sql.resolve_url(args.database_url).get_backend_name()
-            except ValueError as exc:
-                raise usage_error(str(exc)) from None
-        sys.stdout.write(outbox.ddl(dialect))
-        return 0
 
-    def status_cmd(args: argparse.Namespace) -> int:
-        _, sql = _sql_modules()
-        engine = _engine(args, usage_error)
+@_guarded
+def retry_command(args: argparse.Namespace) -> int:
+    """Put refused messages back in line once the cause is fixed."""
+    if not args.ids and not args.all:
+        raise UsageError("say which refused messages to retry: message ids, or --all")
+    engine = _engine(args)
 
-        async def main() -> dict[str, Any]:
-            try:
-                await _checked(engine)
-                return await _status(engine)
-            finally:
-                await engine.dispose()
+    async def main() -> int:
+        from sqlalchemy import update
 
-        st = anyio.run(main)
-        if args.json:
-            import orjson
+        from framework.outbox.schema import outbox_table as t
 
-            sys.stdout.write(orjson.dumps(st, option=orjson.OPT_INDENT_2).decode() + "\n")
-            return 0
-        print(f"database:  {sql.redact_url(engine.url)}")
-        oldest = st["oldest_waiting_seconds"]
-        age = f" (oldest waiting {oldest:.1f} s)" if oldest is not None else ""
-        print(f"waiting:   {st['waiting']}{age}")
-        print(
-            f"refused:   {st['refused']}"
-            + ("  (see the error column; `framework outbox retry` once fixed)" if st["refused"] else "")
-        )
-        print(f"sent:      {st['sent']} (kept for the retention period)")
-        print(f"inbox:     {st['inbox']} record(s)")
-        return 0
+        try:
+            await _checked(engine)
+            stmt = update(t).where(t.c.error.isnot(None)).values(error=None)
+            if args.ids:
+                stmt = stmt.where(t.c.message_id.in_(args.ids))
+            async with engine.begin() as conn:
+                return int((await conn.execute(stmt)).rowcount)
+        finally:
+            await engine.dispose()
 
-    def retry_cmd(args: argparse.Namespace) -> int:
-        if not args.ids and not args.all:
-            raise usage_error("say which refused messages to retry: message ids, or --all")
-        engine = _engine(args, usage_error)
-
-        async def main() -> int:
-            from sqlalchemy import update
-
-            from framework.outbox.schema import outbox_table as t
-
-            try:
-                await _checked(engine)
-                stmt = update(t).where(t.c.error.isnot(None)).values(error=None)
-                if args.ids:
-                    stmt = stmt.where(t.c.message_id.in_(args.ids))
-                async with engine.begin() as conn:
-                    return int((await conn.execute(stmt)).rowcount)
-            finally:
-                await engine.dispose()
-
-        print(f"{anyio.run(main)} refused message(s) will be published again")
-        return 0
-
-    return {
-        name: _guarded(fn)
-        for name, fn in (
-            ("relay", relay_cmd),
-            ("migrate", migrate_cmd),
-            ("ddl", ddl_cmd),
-            ("status", status_cmd),
-            ("retry", retry_cmd),
-        )
-    }
+    print(f"{anyio.run(main)} refused message(s) will be published again")
+    return 0
 
 
 async def _stop_on_signals(relay: Any, log: Any) -> None:
@@ -289,11 +293,8 @@ def _logging_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def register(
-    sub: Any, connection_options: Callable[[argparse.ArgumentParser], None], usage_error: type[Exception]
-) -> None:
+def register(sub: Any) -> None:
     """Add ``outbox`` (relay, migrate, ddl, status, retry) to the ``framework`` command."""
-    cmds = _commands(usage_error)
     outbox = sub.add_parser("outbox", help="database outbox: run the relay, create the tables, print the DDL")
     actions = outbox.add_subparsers(dest="outbox_command", required=True)
 
@@ -330,12 +331,12 @@ def register(
     p.add_argument("--once", action="store_true", help="publish what is waiting now, then exit")
     connection_options(p)
     _logging_options(p)
-    p.set_defaults(func=cmds["relay"])
+    p.set_defaults(func=relay_command)
 
     p = actions.add_parser("migrate", help="create the outbox and inbox tables (idempotent)")
     _database_option(p)
     _logging_options(p)
-    p.set_defaults(func=cmds["migrate"])
+    p.set_defaults(func=migrate_command)
 
     p = actions.add_parser("ddl", help="print the DDL, for your own migration tool")
     p.add_argument(
@@ -345,17 +346,17 @@ def register(
         help="default: that of --database-url / $DATABASE_URL (SQLite without either)",
     )
     _database_option(p)
-    p.set_defaults(func=cmds["ddl"])
+    p.set_defaults(func=ddl_command)
 
     p = actions.add_parser("status", help="messages waiting, refused and sent; inbox records")
     _database_option(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _logging_options(p)
-    p.set_defaults(func=cmds["status"])
+    p.set_defaults(func=status_command)
 
     p = actions.add_parser("retry", help="publish messages the broker refused again, once the cause is fixed")
     p.add_argument("ids", nargs="*", metavar="MESSAGE_ID")
     p.add_argument("--all", action="store_true", help="every refused message")
     _database_option(p)
     _logging_options(p)
-    p.set_defaults(func=cmds["retry"])
+    p.set_defaults(func=retry_command)

@@ -7,7 +7,7 @@ The CLI (``framework dlq ...``) is a thin layer over :class:`DeadLetters`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,6 +17,7 @@ import orjson
 
 from broker import GroupPartition, RedisBroker
 from broker import headers as h
+from broker.inspect import dead_letter_count
 
 __all__ = ["DeadLetter", "DeadLetters"]
 
@@ -127,10 +128,7 @@ class DeadLetters:
 
     async def count(self, *, group: str | None = None, destination: str | None = None) -> int:
         """How many dead letters match."""
-        total = 0
-        for view in await self._views(group, destination):
-            total += int(await self.broker.redis.xlen(view.keys.dlq))
-        return total
+        return sum([await dead_letter_count(self.broker, view) for view in await self._views(group, destination)])
 
     async def get(self, ident: str) -> DeadLetter:
         """The dead letter with this ref or message id; KeyError if none, ValueError if ambiguous."""
@@ -173,23 +171,29 @@ class DeadLetters:
         destination: str | None = None,
         everything: bool = False,
         rate: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> int:
         """Give dead letters back to their failing group only (as first attempts); returns how many.
 
         ``rate`` caps the moves per second, so a large DLQ does not flood a recovering service.
+        ``progress(done, total)`` is called once before the first letter (``done`` 0) and after
+        each one; letters already gone (redriven or purged meanwhile) count as done, not as moved.
         """
         if rate is not None and not rate > 0:
             raise ValueError(f"rate must be a positive number of dead letters per second, got {rate!r}")
+        letters = await self._select(idents, group, destination, everything)
+        if progress is not None:
+            progress(0, len(letters))
         moved = 0
-        for d in await self._select(idents, group, destination, everything):
+        for done, d in enumerate(letters, start=1):
             spec = await self.broker.get_destination(d.destination)
-            if spec is None:
-                continue
-            view = self.broker.group_partition(spec, d.partition, d.group)
-            if await self.broker.redrive(view, d.entry_id) is not None:
+            view = self.broker.group_partition(spec, d.partition, d.group) if spec is not None else None
+            if view is not None and await self.broker.redrive(view, d.entry_id) is not None:
                 moved += 1
                 if rate:
                     await anyio.sleep(1 / rate)
+            if progress is not None:
+                progress(done, len(letters))
         return moved
 
     async def purge(

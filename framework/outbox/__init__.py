@@ -35,7 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from broker import COMMAND, EVENT, DestinationSpec, Envelope, Kind, validate_name
 from broker.codec import check_body_size, max_body_bytes
-from framework.messages import Outgoing, build_envelope
+from framework._messages import Outgoing, build_envelope
 from framework.outbox.relay import OutboxRelay
 from framework.outbox.schema import (
     DIALECTS,

@@ -37,12 +37,12 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import orjson
-from sqlalchemy import DateTime, bindparam, delete, insert, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from broker import ConfigurationError, DestinationSpec, Envelope, RedisBroker, validate_name
 from framework.logs import get_logger
-from framework.outbox.schema import NOTIFY_CHANNEL, inbox_table, outbox_table, sent_table
+from framework.outbox import _statements as statements
+from framework.outbox.schema import NOTIFY_CHANNEL
 from framework.sql import libpq_url, redact_url
 
 __all__ = ["OutboxRelay"]
@@ -54,74 +54,6 @@ _BATCH_TIMEOUT = 60.0  # a batch in progress is finished even when cancelled, bu
 _CLEANUP_CHUNK = 5000
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MS = timedelta(milliseconds=1)
-
-# A row as the relay reads it: (seq, message_id, destination, kind, type, key, headers, body, spec, created_ms)
-_Row = tuple[int, str, str, str, str, "str | None", str, bytes, "str | None", int]
-_COLUMNS = "message_id, destination, kind, type, key, shard, headers, body, spec, created_at"
-
-# PostgreSQL. These run on the psycopg connection under SQLAlchemy's transaction: reading through
-# psycopg's binary protocol costs half of what SQLAlchemy's row layer does, and this is the hot path.
-_PG_CLAIM = """
-    SELECT s.shard FROM framework_outbox_shards AS s
-    WHERE EXISTS (SELECT 1 FROM framework_outbox AS o WHERE o.shard = s.shard AND o.error IS NULL)
-    ORDER BY (SELECT min(o.seq) FROM framework_outbox AS o WHERE o.shard = s.shard AND o.error IS NULL)
-    LIMIT %(limit)s
-    FOR UPDATE OF s SKIP LOCKED
-"""
-_PG_ROWS = """
-    SELECT seq, message_id, destination, kind, type, key, headers, body, spec,
-           (extract(epoch FROM created_at) * 1000)::bigint
-    FROM framework_outbox
-    WHERE error IS NULL AND shard = ANY(%(shards)s)
-    ORDER BY seq LIMIT %(limit)s
-"""
-# Moving a row costs about a third of updating it in place: no new index entries in the outbox table.
-_PG_MOVE = f"""
-    WITH moved AS (DELETE FROM framework_outbox WHERE seq = ANY(%(seqs)s) RETURNING seq, {_COLUMNS})
-    INSERT INTO framework_outbox_sent (seq, {_COLUMNS}, sent_at) SELECT seq, {_COLUMNS}, %(now)s FROM moved
-"""
-
-# SQLite (through SQLAlchemy, which stores its datetimes as text): one writer at a time, and a
-# lock-free read decides whether to take the write lock at all.
-_o, _s, _i = outbox_table, sent_table, inbox_table
-_SQLITE_ANY_WAITING = select(_o.c.seq).where(_o.c.error.is_(None)).limit(1)
-_SQLITE_ROWS = (
-    select(
-        _o.c.seq,
-        _o.c.message_id,
-        _o.c.destination,
-        _o.c.kind,
-        _o.c.type,
-        _o.c.key,
-        _o.c.headers,
-        _o.c.body,
-        _o.c.spec,
-        _o.c.created_at,
-    )
-    .where(_o.c.error.is_(None))
-    .order_by(_o.c.seq)
-    .limit(bindparam("limit"))
-)
-_SQLITE_COPY = insert(_s).from_select(
-    ["seq", *_COLUMNS.split(", "), "sent_at"],
-    select(_o.c.seq, *(_o.c[c] for c in _COLUMNS.split(", ")), bindparam("now", type_=DateTime(timezone=True))).where(
-        _o.c.seq.in_(bindparam("seqs", expanding=True))
-    ),
-)
-_SQLITE_DELETE = delete(_o).where(_o.c.seq.in_(bindparam("seqs", expanding=True)))
-_MARK_REFUSED = update(_o).where(_o.c.seq == bindparam("b_seq")).values(error=bindparam("b_error"))
-
-
-def _cleanup_statements(postgres: bool) -> tuple[Any, Any]:
-    sent = select(_s.c.seq).where(_s.c.sent_at < bindparam("cutoff")).limit(bindparam("limit"))
-    seen = (
-        select(_i.c.group_name, _i.c.message_id)
-        .where(_i.c.processed_at < bindparam("cutoff"))
-        .limit(bindparam("limit"))
-    )
-    if postgres:  # two relays cleaning at once split the rows instead of waiting for each other
-        sent, seen = sent.with_for_update(skip_locked=True), seen.with_for_update(skip_locked=True)
-    return (delete(_s).where(_s.c.seq.in_(sent)), delete(_i).where(tuple_(_i.c.group_name, _i.c.message_id).in_(seen)))
 
 
 def _ms(value: datetime) -> int:
@@ -181,7 +113,7 @@ class OutboxRelay:
         self.max_shards = max_shards
         self.published = 0
         self._accepted: set[tuple[str, str]] = set()
-        self._cleanup_sent, self._cleanup_inbox = _cleanup_statements(self.postgres)
+        self._cleanup_sent, self._cleanup_inbox = statements.cleanup_statements(self.postgres)
         self._stopping = False
         self._wakes: list[anyio.Event] = []
         self._stopped: anyio.Event | None = None
@@ -198,18 +130,18 @@ class OutboxRelay:
             async with self.engine.begin() as conn:
                 raw = (await conn.get_raw_connection()).driver_connection
                 async with raw.cursor(binary=True) as cur:
-                    await cur.execute(_PG_CLAIM, {"limit": self.max_shards})
+                    await cur.execute(statements.PG_CLAIM, {"limit": self.max_shards})
                     shards = [r[0] for r in await cur.fetchall()]
                     if not shards:
                         return 0
-                    await cur.execute(_PG_ROWS, {"shards": shards, "limit": self.batch_size})
+                    await cur.execute(statements.PG_ROWS, {"shards": shards, "limit": self.batch_size})
                     rows: list[Any] = await cur.fetchall()
                 return await self._settle(conn, rows)
         async with self.engine.connect() as conn:
-            if (await conn.execute(_SQLITE_ANY_WAITING)).first() is None:
+            if (await conn.execute(statements.SQLITE_ANY_WAITING)).first() is None:
                 return 0
             await conn.exec_driver_sql("BEGIN IMMEDIATE")
-            rows = [(*r[:9], _ms(r[9])) for r in await conn.execute(_SQLITE_ROWS, {"limit": self.batch_size})]
+            rows = [(*r[:9], _ms(r[9])) for r in await conn.execute(statements.SQLITE_ROWS, {"limit": self.batch_size})]
             settled = await self._settle(conn, rows)
             await conn.commit()
             return settled
@@ -228,7 +160,7 @@ class OutboxRelay:
                 tg.start_soon(lane)
         return total
 
-    async def _settle(self, conn: AsyncConnection, rows: Sequence[_Row]) -> int:
+    async def _settle(self, conn: AsyncConnection, rows: Sequence[statements.Row]) -> int:
         if not rows:
             return 0
         seqs: list[int] = []
@@ -274,12 +206,12 @@ class OutboxRelay:
             now = datetime.now(UTC)
             if self.postgres:
                 raw = (await conn.get_raw_connection()).driver_connection
-                await raw.execute(_PG_MOVE, {"seqs": seqs, "now": now})
+                await raw.execute(statements.PG_MOVE, {"seqs": seqs, "now": now})
             else:
-                await conn.execute(_SQLITE_COPY, {"now": now, "seqs": seqs})
-                await conn.execute(_SQLITE_DELETE, {"seqs": seqs})
+                await conn.execute(statements.SQLITE_COPY, {"now": now, "seqs": seqs})
+                await conn.execute(statements.SQLITE_DELETE, {"seqs": seqs})
         if failed:
-            await conn.execute(_MARK_REFUSED, failed)
+            await conn.execute(statements.MARK_REFUSED, failed)
         self.published += len(envelopes)
         return len(envelopes) + len(failed)
 

@@ -3,8 +3,14 @@
 Tree: ``Runtime`` (root task group) owns the :class:`~framework.runtime.lanes.LanePool` (``concurrency``
 lanes shared by every handler, the process's global bound) and one
 :class:`~framework.runtime.consumer.Consumer` per handler, each owning its fetchers, ack flusher,
-claimer, extender, retry mover and trimmer. Crashed actors restart with backoff (see
+claimer, extender, retry mover and trimmer. A message's life is a pipeline of stage modules
+(``fetch`` -> ``admit`` -> ``lanes`` -> ``attempt`` -> ``settle``, ``upkeep`` beside them, the
+accounts in ``ledger``); the stages see the runtime only through a
+:class:`~framework.runtime.wiring.Wiring`. Crashed actors restart with backoff (see
 :mod:`framework.runtime.supervisor`).
+
+Middleware (:mod:`framework.middleware`) given here wraps every handler of every service, outside
+the services' own middleware.
 
 Shutdown (:meth:`Runtime.stop`, SIGTERM/SIGINT from the CLI): stop fetching, let in-flight handlers
 finish within ``shutdown_timeout``, flush acks, close. Whatever is left unacknowledged stays
@@ -22,12 +28,14 @@ import anyio.abc
 
 from broker import DestinationSpec, RedisBroker, connect, redact
 from broker.inspect import group_state
+from framework._messages import Outgoing
 from framework.logs import get_logger
-from framework.messages import Outgoing
+from framework.middleware import Middleware
 from framework.runtime.consumer import Consumer
 from framework.runtime.identity import ConsumerIdentity
 from framework.runtime.lanes import LanePool
 from framework.runtime.supervisor import is_connection_error
+from framework.runtime.wiring import Wiring
 from framework.service import HandlerError, Service
 from framework.settings import RuntimeSettings
 
@@ -48,8 +56,10 @@ class Runtime:
         namespace: str | None = None,
         settings: RuntimeSettings | None = None,
         outbox_database_url: str | None = None,
+        middleware: Sequence[Middleware] = (),
     ) -> None:
-        """``outbox_database_url`` also runs an outbox relay in this process (see framework.outbox)."""
+        """``outbox_database_url`` also runs an outbox relay in this process (see framework.outbox);
+        ``middleware`` wraps every handler, outermost first (see framework.middleware)."""
         if not services:
             raise HandlerError("no services to run")
         names = [s.name for s in services]
@@ -61,6 +71,10 @@ class Runtime:
                     f"service {s.name!r} has no handlers: declare some with @{s.name}.command(...) or .event(...)"
                 )
         self.services = list(services)
+        self.middleware: tuple[Middleware, ...] = tuple(middleware)
+        for mw in self.middleware:
+            if not callable(mw):
+                raise HandlerError(f"middleware must be async functions (message, ctx, call_next), got {mw!r}")
         self.settings = settings or RuntimeSettings()
         self._broker = broker
         self._owns_broker = broker is None
@@ -68,7 +82,6 @@ class Runtime:
         self._namespace = namespace
         self.consumers: list[Consumer] = []
         self.consumer_name = ""
-        self._declared: set[str] = set()
         self._stop: anyio.Event | None = None
         self._stopping = False
         self.started = False
@@ -99,7 +112,18 @@ class Runtime:
             for service in self.services:
                 for handler in service.handlers:
                     views = await self.broker.subscribe(handler.spec, service.name, handler.start)
-                    self.consumers.append(Consumer(self, handler, views, scope=len(self.consumers)))
+                    wiring = Wiring(
+                        broker=self.broker,
+                        settings=self.settings,
+                        consumer_name=self.consumer_name,
+                        lanes=self.lanes,
+                        publish=self.publish_outgoing,
+                        handler=handler,
+                        scope=len(self.consumers),
+                        middleware=self.middleware + tuple(service.middleware_chain),
+                        thread_limiter=self.thread_limiter,
+                    )
+                    self.consumers.append(Consumer(wiring, views))
             log.info(
                 "runtime started",
                 services=[s.name for s in self.services],
@@ -138,7 +162,12 @@ class Runtime:
         """The outbox database engine when an in-process relay was asked for (tables checked first)."""
         if self._outbox_url is None:
             return None
-        from framework import outbox, sql
+        try:
+            from framework import outbox, sql
+        except ImportError as exc:  # the sql extra is not installed
+            raise HandlerError(
+                f"--outbox-relay needs the sql extra ({exc.name} is missing): pip install 'framework[sql]'"
+            ) from None
 
         engine = sql.create_engine(self._outbox_url or None)
         await sql.ping(engine)
@@ -159,6 +188,11 @@ class Runtime:
                     f"handler for it now, so its messages would wait there forever. Add a handler, or drop the "
                     f"subscription with `framework unsubscribe {destination} --group {group}`."
                 )
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a graceful shutdown was asked for (:meth:`stop`)."""
+        return self._stopping
 
     def stop(self) -> None:
         """Ask for a graceful shutdown (idempotent; returns at once)."""
@@ -212,9 +246,8 @@ class Runtime:
     async def publish_outgoing(self, outgoing: Sequence[Outgoing]) -> None:
         """Publish messages staged by handlers (declaring Queue/Topic objects on first use)."""
         for _, spec in outgoing:
-            if spec is not None and spec.name not in self._declared:
-                await self.broker.declare(spec)
-                self._declared.add(spec.name)
+            if spec is not None:
+                await self.broker.ensure_declared(spec)  # cached by the broker: no round trip once declared
         await self.broker.publish([env for env, _ in outgoing])
 
     # -- observation, mostly for tests and `framework.testing` ---------------------------------------------

@@ -91,6 +91,10 @@ class LanePool:
         self._isolated: deque[Batch] = deque()  # one work each, run one at a time by the isolation lane
         self._isolation = _Lane()  # its wakeup is set when isolated work is queued
         self.gates: dict[Hashable, int] = {}  # (scope, key) -> isolated works of that key not finished
+        # Lanes asleep with nothing to do, most recent last. Keyless work wakes only as many of
+        # them as it has works: waking every lane per submit cost 64 task switches per message
+        # at low rates (the profile of issue #10), and busy lanes take from the shared queue anyway.
+        self._asleep: dict[_Lane, None] = {}
         self._queued = 0  # batches queued or running
         self._idle = anyio.Event()
         self._idle.set()
@@ -115,16 +119,18 @@ class LanePool:
         """Queue work: ``by_lane`` maps a lane number to its keyed works in order; ``keyless`` works
         go to any free lane; ``isolated`` is (work, suspect, key or None) in order, run one at a time."""
         count = 0
+        asleep = self._asleep
         for index, works in by_lane.items():
             lane = self._lanes[index]
             lane.mailbox.append(Batch(worker, view, works))
-            lane.wakeup.set()
+            if asleep.pop(lane, 0) is None:
+                lane.wakeup.set()
             count += 1
-        wake = False
         if keyless:
             self._keyless.append(Batch(worker, view, keyless))
             count += 1
-            wake = True
+            for _ in range(min(len(keyless), len(asleep))):
+                asleep.popitem()[0].wakeup.set()
         for work, suspect, key in isolated:
             gate = None if key is None else (scope, key)
             if gate is not None:
@@ -134,9 +140,6 @@ class LanePool:
             self._isolated.append(batch)
             self._isolation.wakeup.set()
             count += 1
-        if wake:
-            for lane in self._lanes:
-                lane.wakeup.set()
         if count:
             if self._queued == 0:
                 self._idle = anyio.Event()
@@ -178,6 +181,8 @@ class LanePool:
             batch = self._next_batch(lane)
             if batch is None:
                 lane.wakeup = anyio.Event()
+                if lane is not self._isolation:
+                    self._asleep[lane] = None
                 await lane.wakeup.wait()
                 continue
             batch.running += 1

@@ -4,6 +4,9 @@ A handler declares the type it wants (an attrs class, a dataclass, ``dict``, ``l
 ``str`` or any type cattrs can structure); the body is decoded and structured into it before the
 handler runs. A body that is not JSON or does not fit the type raises :class:`PayloadError`
 whose message names the field, which sends the message to the dead-letter queue.
+
+Internal apart from :data:`converter` and :class:`PayloadError`, which users import from
+:mod:`framework`.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def decoder_for(tp: Any) -> Callable[[bytes], Any]:
     ):
         raise TypeError(
             f"payload type {tp.__name__} is not supported: use an attrs class, a dataclass, dict, list, "
-            "bytes, str or a type registered on framework.payloads.converter"
+            "bytes, str or a type registered on framework._payloads.converter"
         )
     hook = converter.get_structure_hook(tp)
 

@@ -1,4 +1,8 @@
-"""Building outgoing envelopes from payloads (shared by the client and handler contexts)."""
+"""Building outgoing envelopes from payloads (shared by the client, handler contexts and the outbox).
+
+Internal: users send through :class:`framework.Client`, ``ctx.send``/``ctx.publish`` or
+:func:`framework.outbox.add`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from typing import Any
 
 from broker import COMMAND, EVENT, DestinationSpec, Envelope, Kind, new_id
 from broker.headers import CONTENT_TYPE, IDEMPOTENCY_KEY
-from framework.payloads import RAW_CONTENT_TYPE, encode_payload, type_name
+from framework._payloads import RAW_CONTENT_TYPE, encode_payload, type_name
 from framework.service import Queue, Topic
 
 __all__ = ["Outgoing", "build_envelope"]

@@ -1,0 +1,139 @@
+"""State every role of the Redis broker shares: the client, its caches and the script pipelines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
+
+from broker.codec import max_body_bytes as max_body_bytes_setting
+from broker.keys import KeySpace, PartitionKeys
+from broker.scripts import Script, load_scripts
+from broker.topology import DestinationSpec
+from broker.wire import DEFAULT_COMMAND_TIMEOUT, Channel
+
+__all__ = ["ScriptCall", "RedisCore", "text"]
+
+# Parse these replies ourselves: redis-py's dict building costs about 30% of a read.
+_RAW = ("XREADGROUP", "XAUTOCLAIM", "XCLAIM", "XPENDING", "XINFO GROUPS", "XINFO STREAM", "XRANGE", "XREVRANGE")
+
+ScriptCall = tuple[str, list[str], list[Any]]
+"""One script call for a pipeline: (script name, keys, args)."""
+
+
+def _raw(response: Any, **_: Any) -> Any:
+    return response
+
+
+def text(value: Any) -> str:
+    """A reply value as ``str`` (replies are bytes; RESP3 maps and tests may give ``str``)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisCore:
+    """The shared state of one Redis broker; every role mixin builds on it.
+
+    The roles only touch the attributes set in :meth:`__init__` and the methods here, plus the
+    methods of the roles they inherit from (publishing, settlement and administration build on
+    :class:`~broker._redis.topology.Topology`), so a role can be read on its own.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        namespace: str = "fw",
+        url: str = "",
+        cluster: bool = False,
+        command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
+        max_body_bytes: int | None = None,
+    ) -> None:
+        """``command_timeout``: seconds a command on a :meth:`channel` may wait for its reply (a
+        blocking read waits its BLOCK time on top); it should match the client's socket timeout.
+        ``max_body_bytes``: largest body :meth:`publish` accepts and consumers read (default
+        ``$FRAMEWORK_MAX_BODY_BYTES``, else 1 MiB); larger stored ones decode as errors (dead-lettered)."""
+        self.redis = client
+        self.command_timeout = command_timeout
+        self.max_body_bytes = max_body_bytes_setting(max_body_bytes)
+        self.keyspace = KeySpace(namespace)
+        self.url = url
+        self.cluster = cluster
+        self.scripts: dict[str, Script] = load_scripts()
+        # Registry cache: name -> stored spec. The one cache behind get_destination, route and
+        # ensure_declared; tools that change the registry behind the broker's back clear it.
+        self._specs: dict[str, DestinationSpec] = {}
+        self._claim_cursor: dict[tuple[str, str], str] = {}  # (stream, group) -> XAUTOCLAIM cursor
+        self._pkeys: dict[tuple[str, int], PartitionKeys] = {}
+        for command in _RAW:
+            client.set_response_callback(command, _raw)
+
+    @property
+    def namespace(self) -> str:
+        """Key prefix separating deployments (and test runs) on one server."""
+        return self.keyspace.namespace
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self.redis.aclose()
+
+    def _partition_keys(self, name: str, partition: int) -> PartitionKeys:
+        keys = self._pkeys.get((name, partition))
+        if keys is None:
+            keys = self._pkeys[(name, partition)] = self.keyspace.partition(name, partition)
+        return keys
+
+    async def _run_pipeline(self, calls: list[ScriptCall]) -> list[Any]:
+        """Run script calls in one round trip, reloading scripts the server lost (NOSCRIPT means not run)."""
+        results: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for _ in range(2):
+            pipe = self.redis.pipeline(transaction=False)
+            for i in todo:
+                name, keys, args = calls[i]
+                self.scripts[name].queue(pipe, keys, args)
+            replies = await pipe.execute(raise_on_error=False)
+            missing = []
+            for i, reply in zip(todo, replies, strict=True):
+                if isinstance(reply, NoScriptError):
+                    missing.append(i)
+                elif isinstance(reply, Exception):
+                    raise reply
+                else:
+                    results[i] = reply
+            if not missing:
+                return results
+            for script in self.scripts.values():
+                await self.redis.script_load(script.source)
+            todo = missing
+        raise RuntimeError("scripts could not be loaded on the server")
+
+    async def _run_on(self, channel: Channel, calls: list[ScriptCall]) -> list[Any]:
+        """Like :meth:`_run_pipeline`, on a channel."""
+        commands = [["EVALSHA", self.scripts[k].sha, len(keys), *keys, *args] for k, keys, args in calls]
+        replies = await channel.execute_many(commands)
+        if any(isinstance(r, NoScriptError) for r in replies):
+            for script in self.scripts.values():
+                await channel.execute("SCRIPT", "LOAD", script.source)
+            redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+            for i, reply in zip(redo, await channel.execute_many([commands[i] for i in redo]), strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    async def stream_groups(self, stream: str) -> list[dict[str, Any]]:
+        """XINFO GROUPS of a stream as dicts with str keys ([] when the stream does not exist)."""
+        try:
+            reply = await self.redis.execute_command("XINFO GROUPS", stream)
+        except NoPermissionError:  # an ACL refusal is not "no such stream": say it
+            raise
+        except ResponseError:
+            return []
+        groups = []
+        for row in reply:
+            if isinstance(row, dict):
+                groups.append({text(k): v for k, v in row.items()})
+            else:
+                groups.append({text(row[i]): row[i + 1] for i in range(0, len(row), 2)})
+        return groups

@@ -1,0 +1,230 @@
+"""The broker's reading role: group reads, own pending entries, claims, leases and the inbox check.
+
+Everything here hands out :class:`~broker.protocol.Delivery` objects or keeps the ones handed out
+owned (``extend``); settling them is :mod:`broker._redis.settlement`'s job.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from redis.exceptions import NoPermissionError, ResponseError
+
+from broker._redis.core import RedisCore, text
+from broker.codec import decode_flat
+from broker.envelope import Envelope, now_ms
+from broker.errors import DecodeError
+from broker.protocol import Delivery, Extension, GroupPartition
+from broker.wire import Channel
+
+__all__ = ["SCRIPT_CHUNK", "Reading"]
+
+SCRIPT_CHUNK = 1000
+"""Entry ids per script call (extend, ack): Lua's unpack() fails beyond about 8000 values, and a
+script blocks the server while it runs."""
+
+
+class Reading(RedisCore):
+    """Delivers entries of a group's partition (and its redeliver stream) to consumers."""
+
+    def _deliveries(self, source: GroupPartition, reply: Any, counts: dict[str, int] | None = None) -> list[Delivery]:
+        out: list[Delivery] = []
+        if not reply:
+            return out
+        name, kind = source.spec.name, source.spec.kind
+        if isinstance(reply, dict):  # RESP3 servers/clients answer with a map
+            reply = list(reply.items())
+        append = out.append
+        limit = self.max_body_bytes
+        for stream_name, entries in reply:
+            stream = text(stream_name)
+            for entry_id, flat in entries:
+                eid = entry_id.decode()
+                count = counts.get(eid, 1) if counts is not None else 1
+                if flat is None:  # deleted from the stream while pending
+                    append(Delivery(source, stream, eid, [], None, "entry was deleted while pending", count))
+                    continue
+                try:
+                    append(Delivery(source, stream, eid, flat, decode_flat(flat, name, kind, limit), None, count))
+                except DecodeError as exc:
+                    append(Delivery(source, stream, eid, flat, None, str(exc), count))
+        return out
+
+    def channel(self) -> Channel | None:
+        """A dedicated connection for one task's hot path (None on a Cluster: use the client)."""
+        return None if self.cluster else Channel(self.redis.connection_pool, command_timeout=self.command_timeout)
+
+    async def read(
+        self, source: GroupPartition, consumer: str, count: int, block_ms: int, *, channel: Channel | None = None
+    ) -> list[Delivery]:
+        """XREADGROUP new entries of the partition stream and the group's redeliver stream.
+
+        Bounded: on a channel the call waits at most ``block_ms`` plus the command timeout; through
+        the client (whose socket timeout is the command timeout) BLOCK is capped at half of it.
+        """
+        if channel is None:
+            block_ms = min(block_ms, int(self.command_timeout * 500))
+        args: list[Any] = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", count]
+        if block_ms > 0:
+            args += ["BLOCK", block_ms]
+        args += ["STREAMS", source.stream, source.keys.redeliver, ">", ">"]
+        if channel is not None:
+            reply = await channel.execute(*args, timeout=block_ms / 1000 + self.command_timeout)
+        else:
+            reply = await self.redis.execute_command(*args)
+        return self._deliveries(source, reply)
+
+    async def read_own_pending(
+        self, source: GroupPartition, consumer: str, count: int, after: dict[str, str] | None = None
+    ) -> list[Delivery]:
+        """Re-read entries pending for ``consumer`` itself, oldest first, after ids in ``after``."""
+        after = after or {}
+        streams = (source.stream, source.keys.redeliver)
+        starts = [after.get(s, "0") for s in streams]
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.execute_command(
+            "XREADGROUP", "GROUP", source.group, consumer, "COUNT", count, "STREAMS", *streams, *starts
+        )
+        for stream, start in zip(streams, starts, strict=True):
+            lo = "-" if start == "0" else f"({start}"
+            pipe.execute_command("XPENDING", stream, source.group, lo, "+", count, consumer)
+        reply, *pending = await pipe.execute()
+        counts = {text(p[0]): int(p[3]) for rows in pending for p in rows}
+        return self._deliveries(source, reply, counts)
+
+    async def claim_idle(self, source: GroupPartition, consumer: str, min_idle_ms: int, count: int) -> list[Delivery]:
+        """XAUTOCLAIM entries idle past ``min_idle_ms``; their delivery counts are raised by one."""
+        out: list[Delivery] = []
+        for stream in (source.stream, source.keys.redeliver):
+            cursor_key = (stream, source.group)
+            start = self._claim_cursor.get(cursor_key, "0-0")
+            reply = await self.redis.execute_command(
+                "XAUTOCLAIM", stream, source.group, consumer, min_idle_ms, start, "COUNT", count
+            )
+            self._claim_cursor[cursor_key] = text(reply[0])
+            entries = [e for e in reply[1] if e is not None]
+            if not entries:
+                continue
+            ids = [text(e[0]) for e in entries]
+            rows = await self.redis.execute_command(
+                "XPENDING", stream, source.group, ids[0], ids[-1], len(ids) * 2 + 10, consumer
+            )
+            counts = {text(p[0]): int(p[3]) for p in rows}
+            out += self._deliveries(source, [[stream, entries]], counts)
+        return out
+
+    async def release_own_pending(
+        self, source: GroupPartition, consumer: str, idle_ms: int, *, keep: Iterable[str] = ()
+    ) -> int:
+        """Make entries pending for ``consumer`` claimable by others at once (a handover at shutdown).
+
+        The entries stay pending (nothing is lost); their idle time is set to ``idle_ms`` (at least
+        the visibility timeout), so the next claim by a live consumer takes them. Entry ids in
+        ``keep`` (handlers still running them) are left alone: they are claimed only after the
+        visibility timeout, so they never run twice at once. Returns how many were released.
+        """
+        kept = set(keep)
+        released = 0
+        for stream in (source.stream, source.keys.redeliver):
+            rows = await self.redis.execute_command("XPENDING", stream, source.group, "-", "+", 10_000, consumer)
+            ids = [i for i in (text(r[0]) for r in rows) if i not in kept]
+            for i in range(0, len(ids), 1000):
+                chunk = ids[i : i + 1000]
+                await self.redis.execute_command(
+                    "XCLAIM", stream, source.group, consumer, 0, *chunk, "IDLE", idle_ms, "JUSTID"
+                )
+                released += len(chunk)
+        return released
+
+    async def prune_consumers(self, source: GroupPartition, min_idle_ms: int, *, keep: str = "") -> int:
+        """Delete consumers of the group that hold nothing and were idle ``min_idle_ms`` or longer.
+
+        Processes that died or were replaced (a new host name after a container restart) stay listed
+        in the group forever otherwise, and ``framework status`` would count them. A consumer with
+        pending entries is never deleted (its entries would be lost to claims), nor ``keep``. A
+        live consumer reading again is recreated by the server. Returns how many consumer entries
+        were deleted (a consumer is listed on the partition stream and on the redeliver stream).
+        """
+        deleted = 0
+        for stream in (source.stream, source.keys.redeliver):
+            try:
+                rows = await self.redis.xinfo_consumers(stream, source.group)
+            except NoPermissionError:
+                raise
+            except ResponseError:  # no stream or group yet
+                continue
+            for row in rows:
+                info = {text(k): v for k, v in row.items()}
+                name = text(info["name"])
+                if name != keep and int(info["pending"]) == 0 and int(info["idle"]) >= min_idle_ms:
+                    await self.redis.xgroup_delconsumer(stream, source.group, name)
+                    deleted += 1
+        return deleted
+
+    async def extend(
+        self, source: GroupPartition, consumer: str, deliveries: Sequence[Delivery], *, lease_ms: int = 60_000
+    ) -> Extension:
+        """Touch deliveries ``consumer`` still owns so they are not claimed, and extend their inbox
+        leases by ``lease_ms``; return the entry ids still owned, with ``.taken``: those pending
+        under another consumer. Entries no longer pending (settled meanwhile) are in neither."""
+        owned: list[str] = []
+        taken: list[str] = []
+        by_stream: dict[str, list[Delivery]] = defaultdict(list)
+        for d in deliveries:
+            by_stream[d.stream].append(d)
+        expiry = now_ms() + lease_ms
+        for stream, items in by_stream.items():
+            for i in range(0, len(items), SCRIPT_CHUNK):  # bounded calls: a script blocks the server while it runs
+                chunk = items[i : i + SCRIPT_CHUNK]
+                args = [
+                    source.group,
+                    consumer,
+                    expiry,
+                    len(chunk),
+                    *(d.entry_id for d in chunk),
+                    *(d.message_id for d in chunk),
+                ]
+                reply = await self.scripts["extend"](self.redis, [stream, source.keys.inbox], args)
+                for d, status in zip(chunk, reply, strict=True):
+                    if status == 0:
+                        owned.append(d.entry_id)
+                    elif status == 2:
+                        taken.append(d.entry_id)
+        return Extension(owned, taken)
+
+    async def inbox_claim(
+        self, source: GroupPartition, deliveries: Sequence[Delivery], lease_ms: int, *, channel: Channel | None = None
+    ) -> list[int]:
+        """Check deliveries against the group's inbox and lease the new ones, in one call.
+
+        Returns a status per delivery: 0 leased to us (run it), 1 already processed (ack it),
+        2 leased elsewhere (leave it pending). Redelivered entries take over stale leases.
+        """
+        script = self.scripts["inbox_claim"]
+        keys = [source.keys.inbox]
+        again = [d for d in deliveries if d.delivery_count != 1]
+        if not again:  # the common case: one list, statuses in order
+            args = [now_ms(), lease_ms, len(deliveries), *(d.message_id for d in deliveries)]
+            if channel is not None:
+                return await script.on(channel, keys, args)  # type: ignore[no-any-return]
+            return await script(self.redis, keys, args)  # type: ignore[no-any-return]
+        first = [d for d in deliveries if d.delivery_count == 1]
+        args = [now_ms(), lease_ms, len(first), *(d.message_id for d in first), *(d.message_id for d in again)]
+        reply = await (script.on(channel, keys, args) if channel is not None else script(self.redis, keys, args))
+        status = dict(zip((id(d) for d in [*first, *again]), (int(x) for x in reply), strict=True))
+        return [status[id(d)] for d in deliveries]
+
+    @staticmethod
+    def entries_to_deliveries(source: GroupPartition, stream: str, entries: Iterable[Any]) -> list[Delivery]:
+        """Turn raw XRANGE rows of ``stream`` into deliveries (used by DLQ tools and tests)."""
+        out = []
+        for entry_id, flat in entries:
+            try:
+                env: Envelope | None = decode_flat(flat, source.spec.name, source.spec.kind)
+                err = None
+            except DecodeError as exc:
+                env, err = None, str(exc)
+            out.append(Delivery(source, stream, text(entry_id), flat, env, err))
+        return out

@@ -1,0 +1,224 @@
+"""The broker's settlement role: ack, commit effects, count attempts, dead-letter, retry later, retention.
+
+Every step that settles a delivery is one script call that does nothing when the entry is no
+longer pending (another consumer settled it), so settling twice is harmless.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from broker._redis.core import ScriptCall, text
+from broker._redis.publishing import partition_of
+from broker._redis.reading import SCRIPT_CHUNK
+from broker._redis.topology import Topology
+from broker.codec import encode_fields
+from broker.envelope import Envelope, now_ms
+from broker.errors import EffectsFailed
+from broker.headers import DLQ_ERROR_MESSAGE, DLQ_ERROR_TYPE, DLQ_REASON, FIRST_FAILED_AT, IDEMPOTENCY_KEY
+from broker.protocol import Delivery, GroupPartition
+from broker.topology import DestinationSpec
+from broker.wire import Channel
+
+__all__ = ["Settlement"]
+
+_SCRIPT_REASON = (DLQ_REASON, DLQ_ERROR_TYPE, DLQ_ERROR_MESSAGE)  # written by commit_effects.lua itself
+
+
+class Settlement(Topology):
+    """Settles deliveries: success (ack, commit effects), failure (retry later, dead letter), retention."""
+
+    async def ack(
+        self,
+        source: GroupPartition,
+        deliveries: Sequence[Delivery],
+        *,
+        inbox: bool = False,
+        channel: Channel | None = None,
+    ) -> int:
+        """Acknowledge deliveries in one round trip; with ``inbox`` also record their message ids."""
+        if not deliveries:
+            return 0
+        by_stream: dict[str, list[Delivery]] = defaultdict(list)
+        for d in deliveries:
+            by_stream[d.stream].append(d)
+        now = now_ms()
+        calls: list[ScriptCall] = []
+        keys = source.keys
+        script_keys = [keys.inbox, keys.attempts]
+        for stream, items in by_stream.items():
+            delete = "1" if source.deletes_on_ack(stream) else "0"
+            for i in range(0, len(items), SCRIPT_CHUNK):
+                chunk = items[i : i + SCRIPT_CHUNK]
+                marks = [d.envelope.id for d in chunk if d.envelope is not None] if inbox else []
+                counters = [d.envelope.id for d in chunk if d.delivery_count > 1 and d.envelope is not None]
+                args: list[Any] = [
+                    source.group,
+                    delete,
+                    now,
+                    len(chunk),
+                    len(marks),
+                    len(counters),
+                    *(d.entry_id for d in chunk),
+                    *marks,
+                    *counters,
+                ]
+                calls.append(("ack", [stream, *script_keys], args))
+        if channel is not None:
+            return sum(int(r) for r in await self._run_on(channel, calls))
+        return sum(int(r) for r in await self._run_pipeline(calls))
+
+    async def commit_effects(
+        self,
+        delivery: Delivery,
+        commands: Sequence[Sequence[Any]],
+        keys: Sequence[str],
+        outgoing: Sequence[Envelope] = (),
+        *,
+        reason: Mapping[str, str] = {},
+    ) -> bool:
+        """Apply ``commands``, publish ``outgoing`` (routed with :meth:`route`), mark the inbox and ack, atomically.
+
+        Returns True when applied; False when the message was already processed (then it is only
+        acked) or its entry is no longer pending for the group (settled elsewhere, or by an
+        earlier failed commit: nothing is done). On a Cluster every key must share the
+        delivery's hash tag, and ``outgoing`` must be empty (publish it first).
+
+        Redis cannot roll back, so a command that fails stops the rest (``outgoing`` go after
+        ``commands``, so no message is sent) and the commands before it stay applied: running the
+        handler again would apply them twice. So the same script call dead-letters the message
+        (its fields, ``reason`` - the base ``dlq-*`` fields the caller builds - and ``dlq-reason``,
+        ``dlq-error-type``, ``dlq-error-message`` naming the command and the error), acks it,
+        releases its inbox lease (a redrive runs the handler again) and drops its attempts
+        counter; then :class:`~broker.errors.EffectsFailed` is raised (``applied`` may be 0).
+        Server states that refuse every write (OOM, READONLY) raise the redis error instead,
+        having changed nothing; the entry stays pending.
+        """
+        source = delivery.source
+        calls: list[list[Any]] = [list(c) for c in commands]
+        out_keys: list[str] = []
+        for env in outgoing:
+            spec = await self.route(env.destination, env.kind)
+            idem = env.headers.get(IDEMPOTENCY_KEY) if env.headers else None
+            stream = self._partition_keys(spec.name, partition_of(spec, env, idem)).stream
+            out_keys.append(stream)
+            calls.append(["XADD", stream, "*", *encode_fields(env)])
+        flat: list[Any] = []
+        for k, v in reason.items():
+            if k not in _SCRIPT_REASON:
+                flat += (k, v)
+        pairs = len(flat) // 2
+        for c in calls:
+            flat += (len(c), *c)
+        script_keys = [delivery.stream, source.keys.inbox, source.keys.attempts, source.keys.dlq, *keys, *out_keys]
+        delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
+        args = [
+            source.group,
+            delete,
+            now_ms(),
+            delivery.entry_id,
+            delivery.message_id,
+            len(commands),
+            len(outgoing),
+            pairs,
+            *flat,
+        ]
+        reply = await self.scripts["commit_effects"](self.redis, script_keys, args)
+        if isinstance(reply, list):
+            dead, error, applied = reply
+            raise EffectsFailed(text(dead), text(error), int(applied))
+        return bool(reply)
+
+    async def count_attempt(self, delivery: Delivery) -> int:
+        """Record that a redelivered message is about to run; return how many such runs it had.
+
+        First deliveries are not counted (that would cost a write per message): a message whose
+        handler kills its process is recognised on its redeliveries.
+        """
+        return int(await self.redis.hincrby(delivery.source.keys.attempts, delivery.message_id, 1))
+
+    async def count_first_redeliveries(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """Count the first redelivered run of each message that has had none; one round trip.
+
+        Per delivery: True when it had no counted redelivered run (its counter is now 1: this
+        run), False when an earlier redelivered run started and did not complete (its counter is
+        left as it is, for :meth:`count_attempt` to raise just before it runs again).
+        """
+        if not deliveries:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for d in deliveries:
+            pipe.hsetnx(d.source.keys.attempts, d.message_id, 1)
+        return [bool(int(r)) for r in await pipe.execute()]
+
+    async def dead_letter(self, delivery: Delivery, reason: dict[str, str]) -> str | None:
+        """Write the delivery's fields plus ``reason`` to the group's DLQ and ack it, atomically."""
+        source = delivery.source
+        flat: list[Any] = []
+        for k, v in delivery.fields.items():
+            flat += (k, v)
+        for k, v in reason.items():
+            flat += (k, v)
+        if not flat:
+            flat = ["dlq-empty", "1"]  # the entry was deleted: keep a record all the same
+        delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
+        reply = await self.scripts["dead_letter"](
+            self.redis,
+            [delivery.stream, source.keys.dlq, source.keys.inbox, source.keys.attempts],
+            [source.group, delivery.entry_id, delete, delivery.message_id, *flat],
+        )
+        return None if reply is None else text(reply)
+
+    async def retry_later(self, delivery: Delivery, due_ms: int, *, attempt: int | None = None) -> bool:
+        """Park the delivery until ``due_ms`` for its group only, atomically with its ack.
+
+        The parked copy carries ``attempt + 1`` (default: the delivery's attempt) and the time of
+        its first failure (field ``first-failed-at``), which dead letters report.
+        """
+        if delivery.envelope is None:
+            raise ValueError("an undecodable delivery cannot be retried; dead-letter it")
+        source = delivery.source
+        fields = {k: v for k, v in delivery.fields.items() if k != b"attempt"}
+        fields[b"attempt"] = str((attempt if attempt is not None else delivery.attempt) + 1).encode()
+        fields.setdefault(FIRST_FAILED_AT.encode(), str(now_ms()).encode())
+        flat: list[Any] = []
+        for k, v in fields.items():
+            flat += (k, v)
+        delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
+        reply = await self.scripts["retry_later"](
+            self.redis,
+            [delivery.stream, source.keys.delayed, source.keys.inbox, source.keys.attempts],
+            [source.group, delivery.entry_id, delete, due_ms, delivery.message_id, *flat],
+        )
+        return bool(reply)
+
+    async def move_due(self, source: GroupPartition, now_ms: int, limit: int = 500) -> int:
+        """Move due delayed retries of the group to its redeliver stream."""
+        keys = [source.keys.delayed, source.keys.redeliver]
+        return int(await self.scripts["move_due"](self.redis, keys, [now_ms, limit]))
+
+    # -- retention -----------------------------------------------------------------------------
+
+    async def trim(self, spec: DestinationSpec, partition: int, now_ms: int, *, max_removed: int = 10_000) -> int:
+        """Trim a topic partition by its retention, never below an unacknowledged entry.
+
+        Queues are not trimmed (their entries are deleted on ack). Also drops producer
+        idempotency keys whose dedup window ended (score = expiry <= ``now_ms``; publishing removes
+        them too, see ``publish_once.lua``). Returns the number of stream entries removed.
+        """
+        pkeys = self.keyspace.partition(spec.name, partition)
+        await self.redis.zremrangebyscore(pkeys.published, "-inf", now_ms)
+        if not spec.is_topic or (spec.retention_ms is None and spec.max_length is None):
+            return 0
+        cutoff = f"{max(now_ms - spec.retention_ms, 0)}-0" if spec.retention_ms is not None else "0"
+        return int(await self.scripts["trim"](self.redis, [pkeys.stream], [cutoff, spec.max_length or 0, max_removed]))
+
+    async def trim_inbox(self, source: GroupPartition, older_than_ms: int) -> int:
+        """Forget processed ids recorded before ``older_than_ms`` (the dedup window's end) and leases
+        that expired (their handlers died; a redelivery takes the message over)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zremrangebyscore(source.keys.inbox, 0, older_than_ms)
+        pipe.zremrangebyscore(source.keys.inbox, f"({-now_ms()}", "(0")
+        return sum(int(x) for x in await pipe.execute())

@@ -1,0 +1,193 @@
+"""Admit: decide what fetched deliveries become, and queue the runnable ones on the lanes.
+
+For each fetched batch (:meth:`Admission.admit`): hold every delivery in the ledger; dead-letter
+what cannot run (undecodable, an invalid payload, a failing key function: poison); drop duplicates
+through the inbox (:func:`framework.inbox.check_inbox`); decode payloads and sort the rest:
+keyed work to the lane its key hashes to, keyless work to any free lane, and redelivered work
+through the crash-loop rule (:meth:`Admission.sort_redeliveries`), isolating suspects.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from broker import Delivery
+from framework._payloads import PayloadError
+from framework.dead_letters.reasons import poison_reason
+from framework.inbox import check_inbox
+from framework.runtime.lanes import Worker
+from framework.runtime.ledger import Ledger
+from framework.runtime.settle import Settlement
+from framework.runtime.wiring import Wiring
+
+__all__ = ["Admission", "Work"]
+
+Work = tuple[Delivery, Any]  # a delivery and its decoded payload
+Isolated = tuple[Work, bool, Any]  # (work, suspect, key): run one at a time
+
+
+class Admission:
+    """The admit stage of one consumer; ``worker`` is what the lanes call to process its batches."""
+
+    def __init__(self, wiring: Wiring, settle: Settlement, worker: Worker) -> None:
+        self.wiring = wiring
+        self.settle = settle
+        self.worker = worker
+        self.handler = wiring.handler
+        self.lanes = wiring.lanes
+        self.scope = wiring.scope
+
+    async def admit(self, ledger: Ledger, deliveries: list[Delivery], channel: Any = None) -> None:
+        """Hold fetched deliveries, settle the ones that cannot run, queue the rest on lanes.
+
+        ``channel`` is the caller's own connection, if it has one (the fetcher's).
+        """
+        handler = self.handler
+        decode = handler.decode
+        key_fn = handler.key
+        lanes = self.lanes
+        scope = self.scope
+        by_lane: dict[int, list[Work]] = {}
+        keyless: list[Work] = []
+        isolated: list[Isolated] = []
+        redelivered: list[tuple[Delivery, Any, Any]] = []  # (delivery, payload, key), once one is met
+        gates = lanes.gates
+        self.wiring.stats.fetched += len(deliveries)
+        ledger.hold(deliveries, time.monotonic())
+        runnable = [d for d in deliveries if d.envelope is not None]
+        poison = [
+            (d, poison_reason(handler, d, f"undecodable message: {d.error}")) for d in deliveries if d.envelope is None
+        ]
+        if handler.inbox and runnable:
+            runnable = await check_inbox(self.wiring, ledger, runnable, channel)
+        for d in runnable:
+            env = d.envelope
+            assert env is not None
+            try:
+                payload = decode(env.body)
+                lane_key = key_fn(payload) if key_fn is not None else env.key
+            except PayloadError as exc:
+                poison.append((d, poison_reason(handler, d, f"invalid payload: {exc}")))
+                continue
+            except Exception as exc:
+                poison.append((d, poison_reason(handler, d, f"key function failed: {type(exc).__name__}: {exc}")))
+                continue
+            if redelivered or d.delivery_count > 1:  # sorted below, once the redeliveries are counted
+                redelivered.append((d, payload, lane_key))
+            elif lane_key is None:
+                keyless.append((d, payload))
+            elif gates and lanes.gated(scope, lane_key):  # isolated work of this key runs first
+                isolated.append(((d, payload), False, lane_key))
+            else:
+                index = lanes.lane_for(scope, lane_key)
+                works = by_lane.get(index)
+                if works is None:
+                    by_lane[index] = [(d, payload)]
+                else:
+                    works.append((d, payload))
+        for d, reason in poison:
+            await self.settle.dead_letter(ledger, d, reason)
+        if redelivered:
+            await self.sort_redeliveries(ledger, redelivered, by_lane, keyless, isolated)
+        lanes.submit(self.worker, ledger, by_lane, keyless, isolated, scope)
+
+    async def sort_redeliveries(
+        self,
+        ledger: Ledger,
+        items: list[tuple[Delivery, Any, Any]],
+        by_lane: dict[int, list[Work]],
+        keyless: list[Work],
+        isolated: list[Isolated],
+    ) -> None:
+        """Count redelivered messages and sort them (with any fresh ones among ``items``) into work.
+
+        The crash-loop rule: a message whose worker died while holding it is redelivered. Its
+        first redelivered run is counted here, for a whole fetch in one round trip, and it runs
+        like fresh work (concurrently): most redelivered messages are bystanders of a crash, not
+        its cause. A message whose counter shows an earlier redelivered run that never completed
+        is a *suspect*: it runs isolated (one suspect at a time in the process, on an isolation
+        lane beside the others, see :mod:`framework.runtime.lanes`), counted again just before it
+        starts (:meth:`count_suspect_run`), so a message that kills every worker is dead-lettered
+        after ``max_attempts`` runs while the suspects queued behind it are not charged for its
+        crashes. Work with a suspect's key is isolated behind it, keeping per-key order.
+
+        With ``max_attempts`` below 3 every redelivery is a suspect (the old one-at-a-time rule):
+        a bystander held through two crashes would otherwise reach the limit without ever
+        having run alone.
+        """
+        max_attempts = self.handler.retry.max_attempts
+        candidates = [d for d, _, _ in items if d.delivery_count > 1]
+        first: dict[int, bool] = {}
+        if candidates and max_attempts >= 3:
+            try:
+                flags = await self.wiring.broker.count_first_redeliveries(candidates)
+            except Exception as exc:
+                self.settle.log_unsettled("could not count redeliveries; they stay pending", exc, count=len(candidates))
+                ledger.forget(candidates)
+                dropped = {id(d) for d in candidates}
+                items = [item for item in items if id(item[0]) not in dropped]
+            else:
+                first = {id(d): flag for d, flag in zip(candidates, flags, strict=True)}
+        kept: list[tuple[Delivery, Any, Any, bool]] = []
+        for d, payload, key in items:
+            suspect = False
+            if d.delivery_count > 1:
+                if first.get(id(d), False):  # its first redelivered run, counted just now
+                    assert d.envelope is not None
+                    attempt = d.envelope.attempt + 1
+                    if attempt > max_attempts:
+                        await self.settle.dead_letter(ledger, d, self._crash_loop_reason(d, attempt))
+                        continue
+                    d.delivery_count = 2  # so d.attempt is this run's attempt number
+                else:
+                    suspect = True
+            kept.append((d, payload, key, suspect))
+        lanes = self.lanes
+        scope = self.scope
+        suspect_keys = {key for _, _, key, suspect in kept if suspect and key is not None}
+        for d, payload, key, suspect in kept:
+            work = (d, payload)
+            if suspect:
+                isolated.append((work, True, key))
+            elif key is None:
+                keyless.append(work)
+            elif key in suspect_keys or lanes.gated(scope, key):
+                isolated.append((work, False, key))
+            else:
+                by_lane.setdefault(lanes.lane_for(scope, key), []).append(work)
+
+    async def count_suspect_run(self, ledger: Ledger, d: Delivery) -> bool:
+        """Count a suspect's run just before it starts; dead-letter it instead when it keeps killing workers.
+
+        The delivery count also rises for messages fetched by a worker that died before it ran
+        them, so it cannot tell a crash loop on its own: redelivered runs are counted in Redis
+        (first deliveries are not, which saves a write per message, so a first delivery a worker
+        died holding counts as one attempt, whether it started or not; so does a first
+        redelivery, counted when it is fetched, see :meth:`sort_redeliveries`).
+        Sets ``d.delivery_count`` so that ``d.attempt`` is this run's attempt number.
+        """
+        assert d.envelope is not None
+        try:
+            runs = await self.wiring.broker.count_attempt(d)
+        except Exception as exc:
+            self.settle.log_unsettled("could not count a redelivery; it stays pending", exc, message_id=d.message_id)
+            ledger.forget([d])
+            return False
+        attempt = d.envelope.attempt + runs
+        if attempt > self.handler.retry.max_attempts:
+            await self.settle.dead_letter(ledger, d, self._crash_loop_reason(d, attempt))
+            return False
+        d.delivery_count = attempt - d.envelope.attempt + 1
+        return True
+
+    def _crash_loop_reason(self, d: Delivery, attempt: int) -> dict[str, str]:
+        """The dead-letter reason of a message redelivered past ``max_attempts`` (``attempt`` is the next)."""
+        max_attempts = self.handler.retry.max_attempts
+        return poison_reason(
+            self.handler,
+            d,
+            f"delivered {attempt - 1} times (max_attempts {max_attempts}) without completing: "
+            "the worker holding it crashed or stalled past the visibility timeout each time",
+            attempts=attempt - 1,
+        )

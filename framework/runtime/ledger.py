@@ -1,0 +1,155 @@
+"""The ledger: what one consumer holds and has in flight on one partition.
+
+Every stage accounts through it, so "how many messages may the fetcher still read" and "which
+entries must the extender keep" have one answer:
+
+* ``held``: entry id -> (delivery, fetched at) for every entry read and not yet acknowledged
+  (``fetched at`` is ``math.inf`` once another consumer took the entry over: never extended again);
+* ``in_flight``: held entries not yet processed; the fetcher reads more only while it is at most
+  ``prefetch`` (:meth:`Ledger.wait_for_capacity`), which bounds memory;
+* the ack buffer: processed entries waiting for the ack flusher (one XACK for many);
+* ``slots``: what each lane running this partition's messages runs right now (the watchdog, the
+  extender and the hand-over at shutdown read them).
+
+A processed message leaves ``in_flight`` when its ack is queued (:meth:`Ledger.queue_acks`) and
+``held`` once the ack is sent (:meth:`Ledger.take_acks` / :meth:`Ledger.acked`); a message that
+stays pending (an unreachable broker, a lease held elsewhere) is forgotten at once
+(:meth:`Ledger.forget`) and redelivered later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import anyio
+import attrs
+
+from broker import Delivery, GroupPartition
+
+__all__ = ["ConsumerStats", "Ledger", "Slot"]
+
+
+@attrs.define
+class ConsumerStats:
+    """Counters of one handler in this process (exported as metrics by the tracing layer)."""
+
+    fetched: int = 0
+    processed: int = 0
+    failed: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    duplicates: int = 0
+    handler_seconds: float = 0.0
+
+
+class Slot:
+    """What one lane is running for a consumer right now (the watchdog and shutdown read it).
+
+    The hot path only sets ``delivery``, ``index`` and ``attempt`` and counts ``runs``; the watchdog
+    notes when it first saw a run (``seen_run``, ``seen_at``), so no clock is read per message.
+    ``scope`` is what the watchdog cancels: the lane's scope around its handler runs, or, when
+    middleware is installed, the scope of the one attempt (so the chain sees the timeout).
+    """
+
+    __slots__ = ("attempt", "delivery", "index", "runs", "scope", "seen_at", "seen_run")
+
+    def __init__(self) -> None:
+        self.delivery: Delivery | None = None  # set only while the handler itself runs
+        self.index = -1  # of the work being run in the lane's batch; -1: none taken and unsettled
+        self.attempt = 0
+        self.runs = 0  # handler runs started in this slot
+        self.seen_run = -1
+        self.seen_at = 0.0
+        self.scope: anyio.CancelScope | None = None
+
+
+class Ledger:
+    """One consumer's accounts for one partition (see the module docstring)."""
+
+    __slots__ = (
+        "ack_buffer",
+        "ack_channel",
+        "ack_lock",
+        "ack_wakeup",
+        "capacity",
+        "held",
+        "in_flight",
+        "prune_at",
+        "slots",
+        "view",
+    )
+
+    def __init__(self, view: GroupPartition) -> None:
+        self.view = view
+        self.held: dict[str, tuple[Delivery, float]] = {}  # entry id -> (delivery, fetched at)
+        self.in_flight = 0
+        self.capacity = anyio.Event()
+        self.ack_buffer: list[Delivery] = []
+        self.ack_wakeup = anyio.Event()
+        self.ack_channel: Any = None  # the ack flusher's dedicated connection
+        self.ack_lock = anyio.Lock()  # one flush at a time (the flusher and shutdown share the channel)
+        self.slots: set[Slot] = set()  # one per lane running this partition's messages
+        self.prune_at = 0.0  # monotonic time of the next sweep of departed consumers
+
+    @property
+    def partition(self) -> int:
+        """The partition this ledger accounts for."""
+        return self.view.partition
+
+    # -- fetching -------------------------------------------------------------------------------
+
+    def hold(self, deliveries: Sequence[Delivery], now: float) -> None:
+        """Record fetched deliveries: held (extended while here) and in flight."""
+        held = self.held
+        for d in deliveries:
+            held[d.entry_id] = (d, now)
+        self.in_flight += len(deliveries)
+
+    async def wait_for_capacity(self, limit: int) -> None:
+        """Return once at most ``limit`` messages are in flight (the fetcher's flow control)."""
+        while self.in_flight > limit:
+            self.capacity = anyio.Event()
+            await self.capacity.wait()
+
+    # -- settling ---------------------------------------------------------------------------------
+
+    def release(self, count: int) -> None:
+        """``count`` held messages are processed: the fetcher may read that many more."""
+        self.in_flight -= count
+        self.capacity.set()
+
+    def forget(self, deliveries: Iterable[Delivery]) -> None:
+        """Drop deliveries that stay pending (or were settled with their own ack) from the books."""
+        held = self.held
+        for d in deliveries:
+            if held.pop(d.entry_id, None) is not None:
+                self.in_flight -= 1
+        self.capacity.set()
+
+    def queue_acks(self, deliveries: list[Delivery]) -> None:
+        """Processed deliveries: queue their acks for the flusher and release them."""
+        self.ack_buffer += deliveries
+        self.ack_wakeup.set()
+        self.release(len(deliveries))
+
+    def take_acks(self) -> list[Delivery]:
+        """Empty the ack buffer and return what it held (give it back with :meth:`requeue_acks`)."""
+        batch, self.ack_buffer = self.ack_buffer, []
+        return batch
+
+    def requeue_acks(self, batch: list[Delivery]) -> None:
+        """Put back acks a flush could not send (acks are idempotent: the next flush sends them)."""
+        self.ack_buffer[:0] = batch
+
+    def acked(self, batch: Iterable[Delivery]) -> None:
+        """The broker acknowledged ``batch``: no longer held (already released when processed)."""
+        held = self.held
+        for d in batch:
+            held.pop(d.entry_id, None)
+
+    # -- what the lanes run ----------------------------------------------------------------------------
+
+    def running(self) -> list[str]:
+        """Entry ids whose handlers run right now."""
+        return [s.delivery.entry_id for s in self.slots if s.delivery is not None]

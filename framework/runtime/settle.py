@@ -1,0 +1,216 @@
+"""Settle: carry out how a message's attempt ended, and send the acks.
+
+* success (:meth:`Settlement.finished`): publish what the handlers staged, then queue the acks
+  (the ack flusher, :meth:`Settlement.ack_loop`, sends one XACK, with the inbox marks made final,
+  for many);
+* a handler's Redis effects (:meth:`Settlement.commit_effects`): writes, outgoing messages, inbox
+  mark and ack in one Lua call;
+* failure (:meth:`Settlement.failure`): the retry path (acknowledged and parked until due) or
+  the dead-letter queue, each atomic with the ack; :meth:`Settlement.dead_letter` also takes
+  messages that cannot run at all (undecodable, crash loops).
+
+Whatever cannot be settled (the broker unreachable) is forgotten by the ledger and stays pending:
+it is redelivered after the visibility timeout, and the inbox drops a second run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from broker import Delivery, EffectsFailed, now_ms
+from framework.context import Context
+from framework.dead_letters.reasons import base_reason, exception_reason
+from framework.middleware import Outcome
+from framework.runtime.connectivity import healthy
+from framework.runtime.ledger import Ledger
+from framework.runtime.supervisor import is_connection_error
+from framework.runtime.wiring import Wiring
+
+__all__ = ["SETTLED", "Finished", "Settlement"]
+
+SETTLED: Any = object()  # an attempt whose message is settled already (effects committed with the ack)
+
+
+class Finished:
+    """Runs that finished in a lane and wait to be settled: published, then acknowledged."""
+
+    __slots__ = ("deliveries", "duplicates", "outgoing", "since")
+
+    def __init__(self) -> None:
+        self.deliveries: list[Delivery] = []
+        self.outgoing: list[Any] = []
+        self.duplicates = 0
+        self.since = 0.0
+
+    def add(self, d: Delivery, ctx: Context, now: float) -> None:
+        """Record a successful run finished at ``now`` (monotonic)."""
+        if not self.deliveries:
+            self.since = now
+        self.deliveries.append(d)
+        if ctx.outgoing:
+            self.outgoing += ctx.outgoing
+        if ctx.duplicate:
+            self.duplicates += 1
+
+
+class Settlement:
+    """The settle stage of one consumer."""
+
+    def __init__(self, wiring: Wiring) -> None:
+        self.wiring = wiring
+        self.broker = wiring.broker
+        self.stats = wiring.stats
+        self.handler = wiring.handler
+        self.log = wiring.log
+
+    # -- success ---------------------------------------------------------------------------------
+
+    async def finished(self, ledger: Ledger, done: Finished) -> None:
+        """Publish what finished handlers staged, then queue their acks (one flush for many)."""
+        if not done.deliveries:
+            return
+        deliveries, outgoing, duplicates = done.deliveries, done.outgoing, done.duplicates
+        done.deliveries, done.outgoing, done.duplicates = [], [], 0
+        if outgoing:
+            try:
+                await self.wiring.publish(outgoing)
+            except Exception as exc:
+                self.log.error(
+                    "could not publish staged messages; they will be redelivered", count=len(deliveries), exc_info=exc
+                )
+                ledger.forget(deliveries)
+                return
+        self.stats.processed += len(deliveries) - duplicates
+        ledger.queue_acks(deliveries)  # processed: room to fetch more while the ack is on its way
+
+    async def at_once(self, ledger: Ledger, d: Delivery, ctx: Context) -> None:
+        """Publish and acknowledge one successful run now (a suspect: see the admit stage)."""
+        if ctx.outgoing:
+            await self.wiring.publish(ctx.outgoing)
+        await self.broker.ack(ledger.view, [d], inbox=self.handler.inbox)
+        if not ctx.duplicate:  # a duplicate was counted when it was found
+            self.stats.processed += 1
+        ledger.forget([d])
+
+    async def commit_effects(self, ledger: Ledger, d: Delivery, ctx: Context, attempt: int) -> Outcome:
+        """Commit a handler's Redis writes, outgoing messages, inbox mark and ack in one step.
+
+        Raises if the broker call fails (the attempt failed: the caller applies the retry policy).
+        """
+        effects = ctx.redis_effects
+        assert effects is not None
+        broker = self.broker
+        staged = ctx.outgoing
+        outgoing = [env for env, _ in staged]
+        if broker.cluster and outgoing:  # other slots: publish first (deterministic ids dedup a repeat)
+            await self.wiring.publish(staged)
+            outgoing = []
+        else:
+            for _, spec in staged:
+                if spec is not None:
+                    await broker.ensure_declared(spec)
+        try:
+            applied = await broker.commit_effects(
+                d, effects.commands, effects.keys, outgoing, reason=base_reason(self.handler, d, attempt)
+            )
+        except EffectsFailed as exc:  # dead-lettered by the same script: a retry would apply them again
+            self.stats.dead_lettered += 1
+            self.log.error(
+                "Redis effects failed part-way; message dead-lettered (Redis has no rollback)",
+                message_id=d.message_id,
+                error=exc.error,
+                applied=exc.applied,
+                dlq_entry=exc.dlq_entry,
+            )
+            outcome = Outcome("dead_letter", attempt, exc, reason="Redis effects failed part-way")
+        else:
+            if applied:
+                self.stats.processed += 1
+                outcome = Outcome("success", attempt)
+            else:
+                self.stats.duplicates += 1
+                outcome = Outcome("duplicate", attempt)
+        ledger.forget([d])
+        return outcome
+
+    # -- failure ---------------------------------------------------------------------------------
+
+    async def failure(self, ledger: Ledger, d: Delivery, outcome: Outcome, first_failed: int | None) -> None:
+        """Park a failed message for a delayed retry, or dead-letter it; ``first_failed``: Unix ms
+        of the first failure this process saw (immediate and in-place retries carry no field)."""
+        try:
+            if outcome.status == "retry":
+                await self.broker.retry_later(d, now_ms() + int(outcome.delay * 1000), attempt=outcome.attempt)
+                self.stats.retried += 1
+            else:
+                exc = outcome.exception or RuntimeError(outcome.reason or "dead-lettered by middleware")
+                reason = exception_reason(
+                    self.handler, d, outcome.attempt, exc, outcome.reason, first_failed_ms=first_failed
+                )
+                await self.dead_letter(ledger, d, reason, forget=False)
+        except Exception as err:
+            self.log.error(
+                "could not settle a failed message; it stays pending and will be redelivered",
+                message_id=d.message_id,
+                exc_info=err,
+            )
+        ledger.forget([d])
+
+    async def dead_letter(self, ledger: Ledger, d: Delivery, reason: dict[str, str], *, forget: bool = True) -> None:
+        """Move ``d`` to the dead-letter queue with ``reason`` (atomic with its ack)."""
+        try:
+            entry = await self.broker.dead_letter(d, reason)
+        except Exception as err:
+            self.log.error("could not dead-letter a message; it stays pending", message_id=d.message_id, exc_info=err)
+        else:
+            if entry is not None:
+                self.stats.dead_lettered += 1
+                self.log.error(
+                    "message dead-lettered", message_id=d.message_id, reason=reason.get("dlq-reason"), dlq_entry=entry
+                )
+        if forget:
+            ledger.forget([d])
+
+    def log_unsettled(self, what: str, exc: BaseException, **fields: Any) -> None:
+        """Log a broker call that failed: one warning line for a lost connection (the
+        connectivity log says the rest), an error with the traceback for anything else."""
+        if is_connection_error(exc):
+            self.log.warning(what, error=f"{type(exc).__name__}: {exc}", **fields)
+        else:
+            self.log.error(what, exc_info=exc, **fields)
+
+    # -- acks --------------------------------------------------------------------------------------
+
+    async def ack_loop(self, ledger: Ledger) -> None:
+        """Send queued acks, batched over ``ack_interval``, on a connection of its own (forever)."""
+        interval = self.wiring.settings.ack_interval
+        ledger.ack_channel = channel = self.broker.channel()
+        try:
+            while True:
+                if not ledger.ack_buffer:  # after a failed flush the buffer is not empty: go at once
+                    await ledger.ack_wakeup.wait()
+                ledger.ack_wakeup = anyio.Event()
+                if len(ledger.ack_buffer) < 1000:
+                    await anyio.sleep(interval)  # let more acks join this call
+                await self.flush(ledger)
+                healthy()
+        finally:
+            ledger.ack_channel = None
+            if channel is not None:
+                with anyio.CancelScope(shield=True):
+                    await channel.aclose()
+
+    async def flush(self, ledger: Ledger) -> None:
+        """Send every queued ack now (one flush at a time per partition)."""
+        async with ledger.ack_lock:
+            if not ledger.ack_buffer:
+                return
+            batch = ledger.take_acks()
+            try:
+                await self.broker.ack(ledger.view, batch, inbox=self.handler.inbox, channel=ledger.ack_channel)
+            except BaseException:
+                ledger.requeue_acks(batch)
+                raise
+            ledger.acked(batch)
