@@ -38,6 +38,7 @@ THROUGHPUT_TARGET = 0.25  # of the raw ceiling, one worker process
 LATENCY_P99_TARGET_MS = 1.0
 INBOX_COST_TARGET = 0.30
 MEMORY_FLAT_TARGET = 1.10  # peak RSS, big backlog over small backlog
+INBOX_BYTES_TARGET = 32  # server bytes per remembered inbox id (issue #15)
 OUTBOX_TARGET = 20_000
 SPARK_RATIO_TARGET = 0.50  # broker -> Parquet rows/s over the in-memory Python source's
 SQL_RATIO_TARGET = 1.0  # framework msg/s over the plain redis-py + psycopg consumer's, same worker count
@@ -293,7 +294,7 @@ class Runner:
             "events:3": ("events_per_s", "deliveries_per_s", "publish_msgs_per_s"),
             "latency:raw": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
             "latency:framework": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
-            "memory:small": ("peak_rss_mib", "msgs_per_s", "server_inbox_mib"),
+            "memory:small": ("peak_rss_mib", "msgs_per_s", "server_inbox_mib", "inbox_bytes_per_id"),
             "recovery": (
                 "normal_msgs_per_s",
                 "restart_msgs_per_s",
@@ -307,6 +308,7 @@ class Runner:
                 "second_half_rss_mib",
                 "msgs_per_s",
                 "server_inbox_mib",
+                "inbox_bytes_per_id",
             ),
         }
         for kind in ("framework", "plain"):
@@ -464,6 +466,18 @@ class Runner:
                     bool(first) and second / first <= MEMORY_FLAT_TARGET,
                 )
             )
+            if "inbox_bytes_per_id" in big:
+                per_id = big["inbox_bytes_per_id"]["median"]
+                rows.append(
+                    Row(
+                        f"inbox server memory per remembered id, {self.sizes.memory_backlog:,} ids",
+                        f"{per_id:.1f} B ({big['server_inbox_mib']['median']:.1f} MiB)",
+                        "—",
+                        "—",
+                        f"≤ {INBOX_BYTES_TARGET} B",
+                        per_id <= INBOX_BYTES_TARGET,
+                    )
+                )
             text, _ = ratio(big["msgs_per_s"]["median"])
             rows.append(
                 Row(

@@ -465,11 +465,22 @@ def _memory_usage_mib(client: redis.Redis, key: str) -> float:
     return int(client.memory_usage(key, samples=0) or 0) / 2**20
 
 
+def _inbox_bytes(client: redis.Redis, inbox: str) -> int:
+    """Server bytes of a group's inbox: the zset and every bucket key (MEMORY USAGE of each, plus
+    about 56 bytes per key for its keyspace and expiry entries, which MEMORY USAGE leaves out)."""
+    total = 0
+    for key in [inbox, *client.scan_iter(f"{inbox}:*", count=1000)]:
+        used = client.memory_usage(key, samples=0)
+        if used:
+            total += int(used) + 56
+    return total
+
+
 def memory(url: str, backlog: int, *, progress: Progress = _quiet) -> dict[str, Any]:
     """Peak RSS of one worker (inbox on) draining a pre-filled backlog of ``backlog`` commands.
 
     Also reports the server memory the group's inbox holds afterwards (one record per message id,
-    kept for the dedup window).
+    kept for the dedup window) and what one remembered id costs (issue #15's target: <= 32 bytes).
     """
     namespace = unique_namespace("bench")
     client = _raw_client(url)
@@ -489,7 +500,8 @@ def memory(url: str, backlog: int, *, progress: Progress = _quiet) -> dict[str, 
             "second_half_rss_mib": result["halves_rss_mib"][1],
             "msgs_per_s": backlog / result["seconds"],
             "fill_msgs_per_s": fill_rate,
-            "server_inbox_mib": _memory_usage_mib(client, f"{stream}:g:bench-commands:inbox"),
+            "server_inbox_mib": (inbox := _inbox_bytes(client, f"{stream}:g:bench-commands:inbox")) / 2**20,
+            "inbox_bytes_per_id": inbox / backlog,
         }
     finally:
         client.close()

@@ -8,7 +8,8 @@ emptied before each trial):
 
 * ``framework``: ``python -m framework run benchmarks.sql_services:service`` workers (default
   settings: concurrency 64, prefetch 500, Redis inbox on) whose handler does 2 ms of work and inserts
-  one row inside ``ctx.sql_transaction(engine)`` (SQL inbox row first), one transaction per message;
+  one row inside ``ctx.sql_transaction(engine)`` (SQL inbox row first; the runtime's group commit);
+  more framework kinds by name in :data:`FRAMEWORK_MODES` (``inbox="sql"``, one transaction per message);
 * ``plain``: :mod:`benchmarks.plain_sql_consumer` processes (redis-py + psycopg 3, one transaction
   per ``XREADGROUP`` batch of 100 with the same inbox row, work and row per message, ack after commit).
 
@@ -73,6 +74,10 @@ __all__ = [
 ]
 
 KINDS = ("framework", "plain")
+FRAMEWORK_MODES = {  # more framework kinds, run by name (not in the default run): (extra `run` options, inbox)
+    "framework-sqlinbox": ((), "sql"),  # Service(inbox="sql"): no Redis inbox, the SQL inbox alone
+    "framework-n1": (("--group-commit-size", "1"), "redis"),  # one transaction per message
+}
 KEYS = 1000
 FILL_BATCH = 5000
 Progress = Callable[[str], None]
@@ -138,15 +143,19 @@ def count_rows(conn: psycopg.Connection[Any]) -> int:
 
 def worker_args(kind: str, url: str, db_url: str, namespace: str, consumer: str) -> tuple[list[str], dict[str, str]]:
     """The command line (after ``python``) and environment of one worker of ``kind``."""
-    if kind == "framework":
+    env = {"BENCH_DATABASE_URL": db_url, "BENCH_NAMESPACE": namespace}
+    if kind == "framework" or kind in FRAMEWORK_MODES:
+        extra, inbox = FRAMEWORK_MODES.get(kind, ((), "redis"))
         args = ["-m", "framework", "run", "benchmarks.sql_services:service", "--redis-url", url]
         args += ["--namespace", namespace, "--consumer", consumer, "--log-format", "json", "--log-level", "warning"]
+        args += list(extra)
+        env["BENCH_INBOX"] = inbox
     elif kind == "plain":
         args = ["-m", "benchmarks.plain_sql_consumer", "--redis-url", url, "--database-url", db_url]
         args += ["--namespace", namespace, "--consumer", consumer]
     else:
-        raise ValueError(f"unknown consumer kind {kind!r}: one of {KINDS}")
-    return args, {"BENCH_DATABASE_URL": db_url, "BENCH_NAMESPACE": namespace}
+        raise ValueError(f"unknown consumer kind {kind!r}: one of {KINDS + tuple(FRAMEWORK_MODES)}")
+    return args, env
 
 
 @contextlib.contextmanager
@@ -166,7 +175,7 @@ def group_name(kind: str) -> str:
     """The consumer group a kind of consumer reads with."""
     from benchmarks.plain_sql_consumer import PLAIN_GROUP
 
-    return GROUP if kind == "framework" else PLAIN_GROUP
+    return PLAIN_GROUP if kind == "plain" else GROUP
 
 
 def wait_ready(

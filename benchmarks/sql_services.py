@@ -15,7 +15,8 @@ environment which database to write to (``BENCH_DATABASE_URL``) and where to rep
    list :func:`latency_key` after the commit (only the latency phase sets it: one round trip).
 
 The engine is the framework's own (``framework.outbox.create_engine``: SQLAlchemy, psycopg 3,
-its default pool and ``pool_pre_ping``), created lazily in the worker, as a user would.
+its default pool), created lazily in the worker, as a user would. ``BENCH_INBOX=sql`` declares the
+service ``inbox="sql"`` (no Redis inbox), else the Redis inbox is on (the default).
 The plain consumer (:mod:`benchmarks.plain_sql_consumer`) reads the same messages and writes the
 same rows, so both are measured on identical work.
 """
@@ -107,7 +108,7 @@ def engine() -> Any:
     return _engine
 
 
-service = Service(GROUP)
+service = Service(GROUP, inbox="sql" if os.environ.get("BENCH_INBOX") == "sql" else True)
 
 
 @service.command(SQL_QUEUE)

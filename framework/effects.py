@@ -4,13 +4,15 @@
 call together with the handler's outgoing messages, the inbox mark and the ack. If the message
 was already processed (a duplicate that slipped past the batch check) nothing is applied.
 
-``ctx.sql_transaction(engine)`` opens a SQL transaction whose first statement records the message
-in the inbox table (``INSERT ... ON CONFLICT DO NOTHING``); a duplicate raises
+``ctx.sql_transaction(engine)`` runs the block in a SQL transaction whose first statement records
+the message in the inbox table (``INSERT ... ON CONFLICT DO NOTHING``); a duplicate raises
 :class:`AlreadyProcessed`, which the runtime acknowledges without running the rest. Messages staged
 inside the block are written to the outbox table in the same transaction; the outbox relay
 publishes them. Everything after the block is not exactly-once: if the handler fails after the
 commit, its retry finds the message processed and skips the rest, so every effect and every send
-belongs inside the block (staging after it logs a warning).
+belongs inside the block (staging after it logs a warning). In a running worker on PostgreSQL
+the transaction is shared by several handlers' blocks, each in its own savepoint, and the block
+returns once it committed (see :mod:`framework.group_commit`).
 """
 
 from __future__ import annotations
@@ -58,9 +60,24 @@ class RedisEffects:
         return lambda *args, keys=None: self.call(name.upper(), *args, keys=keys)
 
 
+def sql_transaction(ctx: Context, engine: AsyncEngine) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+    """See :meth:`framework.Context.sql_transaction`.
+
+    In a running worker on PostgreSQL the block is a member of a group commit
+    (:mod:`framework.group_commit`); elsewhere (SQLite, outside a runtime) it is its own transaction.
+    """
+    from framework import group_commit
+
+    groups = group_commit.current()
+    committer = groups.for_engine(engine) if groups is not None else None
+    if committer is not None:
+        return committer.transaction(ctx)
+    return _own_transaction(ctx, engine)
+
+
 @contextlib.asynccontextmanager
-async def sql_transaction(ctx: Context, engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    """See :meth:`framework.Context.sql_transaction`."""
+async def _own_transaction(ctx: Context, engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """One transaction for the block: the inbox row first, the staged messages last."""
     from framework import outbox
 
     async with engine.begin() as conn:

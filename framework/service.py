@@ -13,7 +13,7 @@ import inspect
 import typing
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import attrs
 
@@ -99,8 +99,9 @@ class Handler:
     key: Callable[[Any], str] | None
     retry: RetryPolicy
     start: Start
-    inbox: bool
+    inbox: bool  # the Redis inbox (leases and records ids per group)
     timeout: float | None = DEFAULT_TIMEOUT  # seconds; None: no limit
+    sql_inbox: bool = False  # inbox="sql": every run's effects and inbox row are in ctx.sql_transaction
 
     @property
     def spec(self) -> DestinationSpec:
@@ -142,15 +143,28 @@ def _inspect(fn: Callable[..., Any], where: str) -> tuple[bool, bool, Any]:
     return is_async, len(params) == 2, payload_type
 
 
+_InboxMode = bool | Literal["sql"]
+"""``True`` (the Redis inbox), ``False`` (none) or ``"sql"`` (only the SQL inbox of ``ctx.sql_transaction``)."""
+
+
+def _inbox_mode(value: Any, where: str) -> _InboxMode:
+    if value is True or value is False or value == "sql":
+        return value  # type: ignore[no-any-return]
+    raise HandlerError(f"{where}: inbox must be True, False or 'sql', not {value!r}")
+
+
 class Service:
     """A named service: a consumer group whose instances share its handlers' messages.
 
     ``retry`` is the default policy of its handlers; ``inbox`` (on by default) drops duplicate
-    deliveries of a message the service already processed; ``timeout`` (seconds or timedelta,
-    default 300, None for no limit) is how long a handler may run before it is cancelled and the
-    attempt counts as failed (:class:`~framework.retries.HandlerTimeout`), so a hung handler cannot
-    hold its lane forever. ``middleware`` wraps each of its handlers (see :mod:`framework.middleware`),
-    after the runtime's, in order; :meth:`middleware` adds one more.
+    deliveries of a message the service already processed; ``inbox="sql"`` declares that every
+    handler keeps its effects in ``ctx.sql_transaction``, whose SQL inbox row is then the only
+    record (no Redis inbox: a run that ends without the block is logged as unprotected);
+    ``timeout`` (seconds or timedelta, default 300, None for no limit) is how long a handler may
+    run before it is cancelled and the attempt counts as failed
+    (:class:`~framework.retries.HandlerTimeout`), so a hung handler cannot hold its lane forever.
+    ``middleware`` wraps each of its handlers (see :mod:`framework.middleware`), after the
+    runtime's, in order; :meth:`middleware` adds one more.
     """
 
     def __init__(
@@ -158,7 +172,7 @@ class Service:
         name: str,
         *,
         retry: RetryPolicy | None = None,
-        inbox: bool = True,
+        inbox: _InboxMode = True,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         middleware: Sequence[Middleware] = (),
     ) -> None:
@@ -167,7 +181,7 @@ class Service:
         except Exception as exc:
             raise HandlerError(str(exc)) from None
         self.retry = retry or DEFAULT_RETRY
-        self.inbox = inbox
+        self.inbox = _inbox_mode(inbox, f"service {self.name!r}")
         self.timeout = _seconds(timeout, f"service {self.name!r}")
         self.handlers: list[Handler] = []
         self.middleware_chain: list[Middleware] = []
@@ -193,7 +207,7 @@ class Service:
         *,
         retry: RetryPolicy | None = None,
         key: Callable[[Any], str] | None = None,
-        inbox: bool | None = None,
+        inbox: _InboxMode | None = None,
         timeout: timedelta | float | None = None,
     ) -> Callable[[F], F]:
         """Declare the handler of the commands sent to ``queue``.
@@ -212,7 +226,7 @@ class Service:
         retry: RetryPolicy | None = None,
         key: Callable[[Any], str] | None = None,
         start: Start = "earliest",
-        inbox: bool | None = None,
+        inbox: _InboxMode | None = None,
         timeout: timedelta | float | None = None,
     ) -> Callable[[F], F]:
         """Declare a handler of the events published to ``topic``.
@@ -235,7 +249,7 @@ class Service:
         retry: RetryPolicy | None,
         key: Callable[[Any], str] | None,
         start: Start,
-        inbox: bool | None,
+        inbox: _InboxMode | None,
         timeout: timedelta | float | None,
     ) -> Callable[[F], F]:
         try:
@@ -256,6 +270,7 @@ class Service:
                         "one service has one handler per destination"
                     )
             is_async, takes_ctx, payload_type = _inspect(fn, where)
+            mode = self.inbox if inbox is None else _inbox_mode(inbox, where)
             try:
                 decode = decoder_for(payload_type)
             except TypeError as exc:
@@ -273,7 +288,8 @@ class Service:
                     key=key,
                     retry=retry or self.retry,
                     start=start,
-                    inbox=self.inbox if inbox is None else inbox,
+                    inbox=mode is True,
+                    sql_inbox=mode == "sql",
                     timeout=seconds,
                 )
             )

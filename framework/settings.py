@@ -3,10 +3,35 @@
 from __future__ import annotations
 
 import math
+import os
 
 import attrs
 
-__all__ = ["RuntimeSettings"]
+__all__ = ["RuntimeSettings", "inbox_memory_budget", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """A size such as ``268435456``, ``256MiB``, ``1.5 GiB`` or ``512MB``, in bytes."""
+    value = text.strip()
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ")
+    unit = value[len(number) :].strip().lower()
+    try:
+        size = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise ValueError(f"not a size: {text!r} (use bytes, or a unit: KiB, MiB, GiB, MB, GB)") from None
+    if not math.isfinite(size) or size < 0:
+        raise ValueError(f"not a size: {text!r}")
+    return int(size)
+
+
+def inbox_memory_budget() -> int:
+    """``$FRAMEWORK_INBOX_MEMORY_BUDGET`` in bytes, else 256 MiB."""
+    raw = os.environ.get("FRAMEWORK_INBOX_MEMORY_BUDGET", "").strip()
+    return parse_bytes(raw) if raw else 256 * 2**20
+
 
 _DURATIONS = (
     "visibility_timeout",
@@ -15,6 +40,7 @@ _DURATIONS = (
     "trim_interval",
     "retry_interval",
     "inbox_window",
+    "group_commit_wait",
 )
 
 
@@ -35,6 +61,20 @@ class RuntimeSettings:
     consumer            consumer name (default: host name plus a slot number held by a lock file,
                         so a restarted process gets its old name and re-reads its own pending entries)
     inbox_window        seconds processed message ids are remembered for deduplication
+    inbox_memory_budget server bytes a group's Redis inbox may need over its window (bytes per id x
+                        ids per second x window; see docs/idempotency.md) before a worker warns at
+                        start and ``framework status`` flags it (default ``$FRAMEWORK_INBOX_MEMORY_BUDGET``,
+                        e.g. ``512MiB``, else 256 MiB)
+    group_commit_size   ``ctx.sql_transaction`` blocks (PostgreSQL) committed together at most: the
+                        blocks of one worker run in savepoints of a shared transaction that commits
+                        after this many, after ``group_commit_wait``, or at once when no other block
+                        waits for its connection; 1 is one transaction per message. Keep it at most
+                        64 (PostgreSQL's per-transaction cache of subtransactions)
+    group_commit_wait   seconds a finished block waits at most for others to join its commit (plus
+                        the rest of the block running at that moment): the latency group commit adds
+    sql_connections     connections per engine for ``ctx.sql_transaction`` blocks in this process,
+                        so blocks on one engine run at most this many at a time (bounded by the
+                        engine's pool size + overflow; logged when the engine is first used)
     """
 
     concurrency: int = 64
@@ -47,6 +87,10 @@ class RuntimeSettings:
     retry_interval: float = 0.25
     consumer: str | None = None
     inbox_window: float = 7 * 24 * 3600.0
+    inbox_memory_budget: int = attrs.field(factory=lambda: inbox_memory_budget())
+    group_commit_size: int = 32
+    group_commit_wait: float = 0.005
+    sql_connections: int = 8
 
     def __attrs_post_init__(self) -> None:
         for name in _DURATIONS:  # nan passes every comparison below (a nan lease crashes every task)
@@ -55,6 +99,10 @@ class RuntimeSettings:
                 raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
         if self.concurrency < 1 or self.prefetch < 1:
             raise ValueError("concurrency and prefetch must be at least 1")
+        if self.group_commit_size < 1 or self.sql_connections < 1:
+            raise ValueError("group_commit_size and sql_connections must be at least 1")
+        if self.group_commit_wait < 0:
+            raise ValueError("group_commit_wait must not be negative")
         if self.visibility_timeout <= 0.1:
             raise ValueError("visibility_timeout must be more than 0.1 seconds")
 

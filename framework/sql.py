@@ -100,7 +100,12 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 def create_engine(url: str | None = None, **options: Any) -> AsyncEngine:
     """An async engine for ``url`` (see :func:`resolve_url`); ``options`` go to ``create_async_engine``.
 
-    PostgreSQL connections are pinged on checkout so a restarted server costs no failed request;
+    PostgreSQL connections are not pinged on checkout (a round trip per transaction): a broken
+    connection fails its statement, and a handler's attempt is retried like any failure
+    (``pool_pre_ping=True`` to ping anyway); psycopg prepares a statement on a connection after
+    its second use (``prepare_threshold``). The pool holds ``pool_size`` (default 10) connections
+    plus ``max_overflow`` (default 10): size it to what uses the engine (a worker's
+    ``ctx.sql_transaction`` blocks take ``RuntimeSettings.sql_connections``, default 8).
     SQLite files are created with their directory, in WAL mode, waiting up to 30 s for the write lock.
     """
     resolved = resolve_url(url)
@@ -112,7 +117,9 @@ def create_engine(url: str | None = None, **options: Any) -> AsyncEngine:
         engine = create_async_engine(resolved, **options)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
-    options.setdefault("pool_pre_ping", True)
+    options.setdefault("pool_size", 10)
+    options.setdefault("max_overflow", 10)
+    options.setdefault("connect_args", {}).setdefault("prepare_threshold", 2)
     return create_async_engine(resolved, **options)
 
 

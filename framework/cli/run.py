@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import signal
 import sys
@@ -108,6 +109,9 @@ def run_services(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         consumer=args.consumer,
         inbox_window=args.inbox_window,
+        group_commit_size=args.group_commit_size,
+        group_commit_wait=args.group_commit_ms / 1000,
+        sql_connections=args.sql_connections,
     )
     runtime = Runtime(
         services, url=args.redis_url, namespace=args.namespace, settings=settings, outbox_database_url=args.outbox_relay
@@ -170,6 +174,17 @@ def _use_uvloop() -> bool:
     return True
 
 
+def _milliseconds(text: str) -> float:
+    """A finite number of milliseconds, zero or more."""
+    try:
+        value = float(text.removesuffix("ms"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds like 5 or 0.5, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds, zero or more, got {text!r}")
+    return value
+
+
 def register(sub: Any) -> None:
     """Add ``run`` to the ``framework`` command."""
     run = sub.add_parser("run", help="run services until SIGTERM/SIGINT")
@@ -194,6 +209,27 @@ def register(sub: Any) -> None:
         type=positive_duration,
         default=7 * 24 * 3600.0,
         help="how long processed message ids are remembered for deduplication (default 7d)",
+    )
+    run.add_argument(
+        "--group-commit-size",
+        type=positive_int,
+        default=32,
+        help="ctx.sql_transaction blocks committed together at most (PostgreSQL; 1: one transaction per message; "
+        "default 32)",
+    )
+    run.add_argument(
+        "--group-commit-ms",
+        type=_milliseconds,
+        default=5.0,
+        help="milliseconds a finished ctx.sql_transaction block waits at most for others to join its commit "
+        "(default 5)",
+    )
+    run.add_argument(
+        "--sql-connections",
+        type=positive_int,
+        default=8,
+        help="connections per database engine for ctx.sql_transaction blocks in this process (default 8; "
+        "bounded by the engine's pool)",
     )
     run.add_argument(
         "--outbox-relay",

@@ -148,6 +148,35 @@ async def stage(conn: AsyncConnection, messages: Sequence[Envelope | Outgoing]) 
     await conn.execute(_INSERT[dialect], rows)
 
 
+_STAGE_PG = (
+    "INSERT INTO framework_outbox (message_id, destination, kind, type, key, shard, headers, body, spec, created_at) "
+    "VALUES (%(message_id)s, %(destination)s, %(kind)s, %(type)s, %(key)s, %(shard)s, %(headers)s, %(body)s, "
+    "%(spec)s, %(created_at)s) ON CONFLICT (message_id) DO NOTHING"
+)
+_LOCK_KEYS_PG = "SELECT pg_advisory_xact_lock(k) FROM (SELECT k FROM unnest(%s::bigint[]) AS u(k) ORDER BY k) AS s"
+
+
+async def _stage_pg(cursor: Any, messages: Sequence[Envelope | Outgoing]) -> None:
+    """:func:`stage` on a psycopg 3 async cursor (PostgreSQL), without SQLAlchemy: the group commit's path.
+
+    Same rows, same per-key locks, same size check; the insert is prepared once per connection.
+    """
+    if not messages:
+        return
+    rows = []
+    keys: set[str] = set()
+    limit = max_body_bytes()
+    for item in messages:
+        env, spec = (item, None) if isinstance(item, Envelope) else item
+        check_body_size(env, limit)
+        rows.append(_row(env, spec))
+        if env.key is not None:
+            keys.add(env.key)
+    if keys:
+        await cursor.execute(_LOCK_KEYS_PG, (sorted({lock_id(k) for k in keys}),), prepare=True)
+    await cursor.executemany(_STAGE_PG, rows)
+
+
 _NO_PAYLOAD: Any = object()
 
 

@@ -29,6 +29,7 @@ import anyio.abc
 from broker import DestinationSpec, RedisBroker, connect, redact
 from broker.inspect import group_state
 from framework._messages import Outgoing
+from framework.group_commit import GroupCommits
 from framework.logs import get_logger
 from framework.middleware import Middleware
 from framework.runtime.consumer import Consumer
@@ -135,20 +136,12 @@ class Runtime:
                 prefetch=self.settings.prefetch,
             )
             engine = await self._outbox_engine()
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self.lanes.run)
-                for consumer in self.consumers:
-                    tg.start_soon(consumer.run)
-                if engine is not None:
-                    from framework.outbox import OutboxRelay
-
-                    self.relay = OutboxRelay(engine, self.broker)
-                    await tg.start(self.relay.run)
-                self.started = True
-                task_status.started(self)
-                await self._stop.wait()
-                await self._shutdown()
-                tg.cancel_scope.cancel()
+            groups = GroupCommits(self.settings)  # ctx.sql_transaction's group commit, per engine
+            try:
+                with groups.installed():  # the lanes inherit it
+                    await self._serve(engine, task_status)
+            finally:
+                await groups.aclose()  # the lanes have stopped: connections back to the pools
             if engine is not None:
                 await engine.dispose()
         finally:
@@ -157,6 +150,24 @@ class Runtime:
                 with anyio.CancelScope(shield=True):
                     await self._broker.close()
                 self._broker = None
+
+    async def _serve(self, engine: Any, task_status: anyio.abc.TaskStatus[Runtime]) -> None:
+        """Run the lanes, consumers and relay until :meth:`stop`, then shut down gracefully."""
+        assert self._stop is not None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.lanes.run)
+            for consumer in self.consumers:
+                tg.start_soon(consumer.run)
+            if engine is not None:
+                from framework.outbox import OutboxRelay
+
+                self.relay = OutboxRelay(engine, self.broker)
+                await tg.start(self.relay.run)
+            self.started = True
+            task_status.started(self)
+            await self._stop.wait()
+            await self._shutdown()
+            tg.cancel_scope.cancel()
 
     async def _outbox_engine(self) -> Any:
         """The outbox database engine when an in-process relay was asked for (tables checked first)."""

@@ -120,6 +120,8 @@ class Attempts:
                 if ctx.redis_effects is not None:  # a failed commit (the broker unreachable) is a failed attempt
                     await self.settle.commit_effects(ledger, d, ctx, attempt)
                     return SETTLED
+                if handler.sql_inbox:
+                    self._check_sql_inbox(d, ctx)
             except AlreadyProcessed:
                 # A SQL transaction found the message recorded: acked like a success, counted as a
                 # duplicate. What it staged before the block is published (same derived ids).
@@ -137,6 +139,17 @@ class Attempts:
                 await self.settle.failure(ledger, d, outcome, first_failed)
                 return None
             return ctx
+
+    def _check_sql_inbox(self, d: Delivery, ctx: Context) -> None:
+        """Say loudly when an ``inbox="sql"`` handler finished without its SQL transaction:
+        nothing recorded this message, so a redelivered copy runs again."""
+        if not ctx._sql_done and not ctx.duplicate:
+            self.log.warning(
+                "handler declared inbox='sql' finished without ctx.sql_transaction: nothing records this message "
+                "as processed, so a redelivered copy would run again. Put its effects in the block, or declare "
+                "the handler with inbox=True",
+                message_id=d.message_id,
+            )
 
     async def _retried_in_place(self, d: Delivery, outcome: Outcome) -> bool:
         """Log a failed attempt; for a retry in place, wait its delay and return True."""
@@ -227,6 +240,8 @@ class Attempts:
                     outcome = await self.settle.commit_effects(ledger, d, ctx, attempt)
                     settled.append(True)
                     return outcome
+                if handler.sql_inbox:
+                    self._check_sql_inbox(d, ctx)
             except AlreadyProcessed:
                 self.stats.duplicates += 1
                 ctx.mark_duplicate()

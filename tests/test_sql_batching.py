@@ -1,0 +1,285 @@
+"""Group commit of ``ctx.sql_transaction`` blocks: savepoints of a shared transaction, per-message outcomes.
+
+Real PostgreSQL and a real broker. Each test counts effects: every message's row exactly once,
+no failed message's row, whatever the grouping did.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import redis
+import structlog
+from sqlalchemy import text
+
+from framework import Context, Queue, RetryPolicy, Service, SyncClient, group_commit, outbox
+from framework.settings import RuntimeSettings
+from framework.testing import TEST_SETTINGS, ServiceHarness
+from tests.test_faults import Workers, wait_for
+from tests.test_sql_effects import _counts, _prepare
+
+pytestmark = pytest.mark.postgres
+
+
+def _settings(**changes: Any) -> RuntimeSettings:
+    import attrs
+
+    return attrs.evolve(TEST_SETTINGS, concurrency=16, **changes)
+
+
+class Probe:
+    """What the handlers saw of the group committer."""
+
+    def __init__(self) -> None:
+        self.committer: Any = None
+
+    def see(self, engine: Any) -> None:
+        groups = group_commit.current()
+        assert groups is not None, "ctx.sql_transaction runs outside a runtime's group commit"
+        self.committer = groups.for_engine(engine)
+
+
+def _counter(engine: Any, probe: Probe, *, sleep: float = 0.005, fail: set[str] | None = None, **svc: Any) -> Service:
+    svc_ = Service("counter", **svc)
+
+    @svc_.command("counter.increment")
+    async def increment(cmd: dict, ctx: Context) -> None:
+        probe.see(engine)
+        async with ctx.sql_transaction(engine) as conn:
+            await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": cmd["n"]})
+            ctx.publish("counter.incremented", {"n": cmd["n"]}, key=cmd["n"])  # keyed: per-key locks too
+            await anyio.sleep(sleep)
+            if fail and cmd["n"] in fail:
+                raise RuntimeError(f"{cmd['n']} always fails")
+            await conn.execute(text("UPDATE counters SET value = value + 1 WHERE name = 'total'"))
+
+    return svc_
+
+
+@pytest.mark.anyio
+async def test_group_commit_applies_every_effect_once_with_many_handlers_in_flight(
+    pg_url: str, redis_url: str, namespace: str
+) -> None:
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    probe = Probe()
+    svc = _counter(engine, probe)
+    settings = _settings(sql_connections=2, group_commit_size=16, group_commit_wait=0.05)
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as h:
+            await h.client.send("counter.increment", {"n": "first"}, message_id="m-first")
+            await h.client.send_many("counter.increment", [{"n": str(n)} for n in range(299)])
+            await h.client.send("counter.increment", {"n": "first"}, message_id="m-first")  # a copy
+            await h.run_until_idle()
+            stats = h.stats()["counter.increment"]
+    finally:
+        await engine.dispose()
+    assert await _counts(pg_url) == (300, 300, 300, 300)
+    committer = probe.committer
+    assert committer.members == 300
+    assert committer.commits < 300 / 3, f"{committer.commits} commits for 300 messages: no grouping"
+    assert stats["duplicates"] == 1 and stats["failed"] == 0
+
+
+@pytest.mark.anyio
+async def test_a_failing_handler_in_a_group_rolls_back_alone(pg_url: str, redis_url: str, namespace: str) -> None:
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    probe = Probe()
+    bad = {str(n) for n in range(5, 200, 20)}
+    svc = _counter(engine, probe, fail=bad, retry=RetryPolicy(max_attempts=2, immediate=0, backoff=0.01))
+    settings = _settings(sql_connections=1, group_commit_size=32, group_commit_wait=0.05)
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as h:
+            await h.client.send_many("counter.increment", [{"n": str(n)} for n in range(200)])
+            await h.run_until_idle()
+            stats = h.stats()["counter.increment"]
+    finally:
+        await engine.dispose()
+    good = 200 - len(bad)
+    assert await _counts(pg_url) == (good, good, good, good)  # the failing ones' rows and messages undone
+    assert probe.committer.commits < good / 3  # the failures happened inside groups
+    assert stats["dead_lettered"] == len(bad)
+
+
+@pytest.mark.anyio
+async def test_a_failed_commit_fails_the_whole_group_and_its_retry_doubles_nothing(
+    pg_url: str, redis_url: str, namespace: str
+) -> None:
+    """The connection dies between a block's end and its group's COMMIT (pg_terminate_backend)."""
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    killer = outbox.create_engine(pg_url)
+    probe = Probe()
+    killed: list[int] = []
+    svc = Service("counter", retry=RetryPolicy(max_attempts=5, immediate=0, backoff=0.01))
+
+    @svc.command("counter.increment")
+    async def increment(cmd: dict, ctx: Context) -> None:
+        probe.see(engine)
+        async with ctx.sql_transaction(engine) as conn:
+            await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": cmd["n"]})
+            await conn.execute(text("UPDATE counters SET value = value + 1 WHERE name = 'total'"))
+            ctx.publish("counter.incremented", {"n": cmd["n"]})
+            await anyio.sleep(0.01)
+            if cmd["n"] == "20" and not killed:
+                pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+                async with killer.connect() as other:
+                    await other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+                    await other.commit()
+                killed.append(pid)
+                await anyio.sleep(0.05)  # the server closes the connection; the block ends normally
+
+    settings = _settings(sql_connections=1, group_commit_size=64, group_commit_wait=1.0)
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as h:
+            await h.client.send_many("counter.increment", [{"n": str(n)} for n in range(60)])
+            await h.run_until_idle()
+            stats = h.stats()["counter.increment"]
+    finally:
+        await engine.dispose()
+        await killer.dispose()
+    assert killed
+    assert await _counts(pg_url) == (60, 60, 60, 60)
+    assert stats["failed"] >= 2, stats  # the block that killed it and the others in its group
+    assert stats["dead_lettered"] == 0
+
+
+@pytest.mark.anyio
+async def test_group_commit_size_one_is_one_transaction_per_message(
+    pg_url: str, redis_url: str, namespace: str
+) -> None:
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    probe = Probe()
+    svc = _counter(engine, probe, fail={"3"}, retry=RetryPolicy(max_attempts=1))
+    settings = _settings(sql_connections=2, group_commit_size=1, group_commit_wait=1.0)
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as h:
+            await h.client.send_many("counter.increment", [{"n": str(n)} for n in range(50)])
+            await h.run_until_idle()
+    finally:
+        await engine.dispose()
+    assert await _counts(pg_url) == (49, 49, 49, 49)
+    assert probe.committer.commits == probe.committer.members == 49
+
+
+@pytest.mark.anyio
+async def test_a_finished_block_waits_at_most_the_group_commit_wait_plus_the_block_running(
+    pg_url: str, redis_url: str, namespace: str
+) -> None:
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    probe = Probe()
+    waits: list[float] = []
+    durations: list[float] = []
+    svc = Service("counter")
+
+    @svc.command("counter.increment")
+    async def increment(cmd: dict, ctx: Context) -> None:
+        probe.see(engine)
+        async with ctx.sql_transaction(engine) as conn:
+            began = time.monotonic()
+            await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": cmd["n"]})
+            await anyio.sleep(0.003)
+            ended = time.monotonic()
+        waits.append(time.monotonic() - ended)
+        durations.append(ended - began)
+
+    wait = 0.04
+    settings = _settings(sql_connections=1, group_commit_size=10_000, group_commit_wait=wait)
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as h:
+            await h.client.send_many("counter.increment", [{"n": str(n)} for n in range(400)])
+            await h.run_until_idle()
+    finally:
+        await engine.dispose()
+    assert await _counts(pg_url) == (0, 400, 400, 0)
+    committer = probe.committer
+    # Handlers always wait for the one connection, so only the wait bound ends a group.
+    assert committer.commits < 400 / 4
+    bound = wait + max(durations) + 0.1  # + a commit and scheduling on a loaded machine
+    assert max(waits) <= bound, f"a block waited {max(waits) * 1000:.0f} ms for its commit (bound {bound * 1000:.0f})"
+
+
+@pytest.mark.anyio
+async def test_inbox_sql_skips_the_redis_inbox_and_still_drops_copies(
+    pg_url: str, redis_url: str, namespace: str
+) -> None:
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    probe = Probe()
+    svc = _counter(engine, probe, inbox="sql")
+    loose = Service("loose", inbox="sql")
+
+    @loose.command("loose.jobs")
+    async def forgetful(cmd: dict) -> None:
+        pass  # no ctx.sql_transaction: nothing records the message
+
+    assert svc.handlers[0].sql_inbox and not svc.handlers[0].inbox
+    try:
+        with structlog.testing.capture_logs() as logs:
+            async with ServiceHarness([svc, loose], url=redis_url, namespace=namespace) as h:
+                for n in range(20):
+                    await h.client.send("counter.increment", {"n": str(n)}, message_id=f"m-{n}")
+                await h.client.send("counter.increment", {"n": "4"}, message_id="m-4")  # a copy
+                await h.client.send("loose.jobs", {})
+                await h.run_until_idle()
+                stats = h.stats()
+    finally:
+        await engine.dispose()
+    assert await _counts(pg_url) == (20, 20, 20, 20)
+    assert stats["counter.increment"]["duplicates"] == 1
+    r = redis.Redis.from_url(redis_url)
+    assert not r.keys(f"{namespace}:*inbox*"), "inbox='sql' wrote Redis inbox records"
+    warnings = [e for e in logs if "inbox='sql' finished without ctx.sql_transaction" in e["event"]]
+    assert len(warnings) == 1 and warnings[0]["log_level"] == "warning"
+
+
+@pytest.mark.fault
+@pytest.mark.slow
+def test_workers_killed_mid_group_lose_and_double_nothing(
+    worker_env: dict[str, str], tmp_path: Path, pg_url: str, redis_url: str, namespace: str
+) -> None:
+    """Long groups (50 ms wait, 2 connections), so most kills land while a group is open."""
+    anyio.run(_prepare, pg_url)
+    total = 4000
+    queue = Queue("counter.increment", partitions=2)
+    with SyncClient(redis_url, namespace=namespace) as client:
+        for i in range(0, total, 1000):
+            client.send_many(queue, [{"n": str(n)} for n in range(i, i + 1000)])
+    r = redis.Redis.from_url(redis_url)
+    streams = [f"{namespace}:{{counter.increment:{p}}}" for p in (0, 1)]
+    workers = Workers({**worker_env, "DATABASE_URL": pg_url}, tmp_path)
+    opts = ("--visibility-timeout", "1", "--prefetch", "100", "--concurrency", "16")
+    opts += ("--group-commit-ms", "50", "--sql-connections", "2")
+    try:
+        for round_ in range(4):
+            before = sum(r.xlen(s) for s in streams)
+            procs = [workers.start("faultapp:counter", f"w{round_}{x}", *opts, JOB_SLEEP="0.002") for x in "ab"]
+            wait_for(
+                lambda before=before: (
+                    sum(r.xlen(s) for s in streams) < before - 500 or sum(r.xlen(s) for s in streams) == 0
+                ),
+                120,
+                "progress",
+            )
+            time.sleep(0.1)
+            for p in procs:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+        last = workers.start("faultapp:counter", "last", *opts, JOB_SLEEP="0")
+        wait_for(lambda: sum(r.xlen(s) for s in streams) == 0, 300, "every command")
+        last.send_signal(signal.SIGTERM)
+        assert last.wait(timeout=60) == 0
+    finally:
+        workers.stop_all()
+    value, rows, distinct, staged = anyio.run(_counts, pg_url)
+    assert value == total, f"counter is {value}, expected {total}"
+    assert rows == distinct == total
+    assert staged == total
