@@ -31,6 +31,10 @@ from benchmarks import machine, procs, runtime_bench
 
 __all__ = ["BENCHMARKS", "Sizes", "main"]
 
+SQL_FRAMEWORK_KINDS = {  # the framework kinds the sql benchmark runs, and how their rows name them
+    "framework": "Redis + SQL inbox (default)",
+    "framework-sqlinbox": 'inbox="sql"',
+}
 BENCHMARKS = ("raw", "commands", "events", "latency", "memory", "outbox", "spark", "recovery", "sql")
 _NEEDS_RAW = {"commands", "events", "memory"}  # their ratios need the ceiling of the same run
 
@@ -175,7 +179,9 @@ class Runner:
 
         s = self.sizes
         for workers in SQL_WORKERS:
-            kinds = ("framework", "plain") if (round_ + workers) % 2 == 0 else ("plain", "framework")
+            kinds = ("plain", *SQL_FRAMEWORK_KINDS)
+            if (round_ + workers) % 2 == 0:  # alternate, so drift favours neither
+                kinds = kinds[::-1]
             for kind in kinds:
                 rate = s.sql_latency_rate if workers == max(SQL_WORKERS) else None
                 self._trial(
@@ -311,7 +317,7 @@ class Runner:
                 "inbox_bytes_per_id",
             ),
         }
-        for kind in ("framework", "plain"):
+        for kind in (*SQL_FRAMEWORK_KINDS, "plain"):
             for w in SQL_WORKERS:
                 fields[f"sql:{kind}:{w}"] = (
                     "msgs_per_s",
@@ -335,9 +341,10 @@ class Runner:
             if key in out and (pr := self.paired(key, field)) is not None:
                 out[key]["ratio_to_raw"] = pr
         for w in SQL_WORKERS:
-            key = f"sql:framework:{w}"
-            if key in out and (pr := self.paired(key, "msgs_per_s", f"sql:plain:{w}", "msgs_per_s")) is not None:
-                out[key]["ratio_to_plain"] = pr
+            for kind in SQL_FRAMEWORK_KINDS:
+                key = f"sql:{kind}:{w}"
+                if key in out and (pr := self.paired(key, "msgs_per_s", f"sql:plain:{w}", "msgs_per_s")) is not None:
+                    out[key]["ratio_to_plain"] = pr
         on, off = self.trials.get("commands:on", []), {t["round"]: t for t in self.trials.get("commands:off", [])}
         costs = [1 - t["msgs_per_s"] / off[t["round"]]["msgs_per_s"] for t in on if t.get("round") in off]
         if costs:
@@ -513,17 +520,18 @@ class Runner:
     def _sql_rows(self, sm: dict[str, dict[str, Any]]) -> list[Row]:
         """Framework vs plain consumer: drain rate (paired ratio), client CPU per message, latency."""
         rows: list[Row] = []
-        for w in SQL_WORKERS:
-            fw, plain = sm.get(f"sql:framework:{w}", {}), sm.get(f"sql:plain:{w}", {})
+        for w, kind in ((w, k) for w in SQL_WORKERS for k in SQL_FRAMEWORK_KINDS):
+            fw, plain = sm.get(f"sql:{kind}:{w}", {}), sm.get(f"sql:plain:{w}", {})
             if "msgs_per_s" not in fw or "msgs_per_s" not in plain:
                 continue
+            inbox = SQL_FRAMEWORK_KINDS[kind]
             pr = fw.get("ratio_to_plain")
             r = pr["median"] if pr else fw["msgs_per_s"]["median"] / plain["msgs_per_s"]["median"]
             spread = f"\n[dim]{pr['min']:.2f}-{pr['max']:.2f}x[/dim]" if pr and len(pr["runs"]) > 1 else ""
             label = "worker" if w == 1 else "workers"
             rows.append(
                 Row(
-                    f"SQL effects: {w} {label}, 2 ms work + 1 row in ctx.sql_transaction, inbox on, "
+                    f"SQL effects: {w} {label}, 2 ms work + 1 row in ctx.sql_transaction, {inbox}, "
                     f"{self.sizes.sql_messages:,} backlog",
                     _rate(fw["msgs_per_s"]),
                     f"{_rate(plain['msgs_per_s'])}\n[dim]plain redis-py + psycopg batch consumer[/dim]",
@@ -535,7 +543,7 @@ class Runner:
             fc, pc = fw["cpu_ms_per_msg"], plain["cpu_ms_per_msg"]
             rows.append(
                 Row(
-                    f"SQL effects: client CPU per message, {w} {label} (utime+stime of the workers)",
+                    f"SQL effects: client CPU per message, {w} {label}, {inbox} (utime+stime of the workers)",
                     f"{_ms(fc)} ms",
                     f"{_ms(pc)} ms\n[dim]plain consumer[/dim]",
                     f"{fc['median'] / pc['median']:.1f}x" if pc["median"] else "—",
