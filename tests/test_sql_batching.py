@@ -6,7 +6,6 @@ no failed message's row, whatever the grouping did.
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,10 @@ import redis
 import structlog
 from sqlalchemy import text
 
-from framework import Context, Queue, RetryPolicy, Service, SyncClient, group_commit, outbox
+from framework import Context, RetryPolicy, Service, group_commit, outbox
 from framework.settings import RuntimeSettings
 from framework.testing import TEST_SETTINGS, ServiceHarness
-from tests.test_faults import Workers, wait_for
-from tests.test_sql_effects import _counts, _prepare
+from tests.test_sql_effects import _counts, _prepare, run_counter_under_kills
 
 pytestmark = pytest.mark.postgres
 
@@ -247,39 +245,16 @@ def test_workers_killed_mid_group_lose_and_double_nothing(
     worker_env: dict[str, str], tmp_path: Path, pg_url: str, redis_url: str, namespace: str
 ) -> None:
     """Long groups (50 ms wait, 2 connections), so most kills land while a group is open."""
-    anyio.run(_prepare, pg_url)
-    total = 4000
-    queue = Queue("counter.increment", partitions=2)
-    with SyncClient(redis_url, namespace=namespace) as client:
-        for i in range(0, total, 1000):
-            client.send_many(queue, [{"n": str(n)} for n in range(i, i + 1000)])
-    r = redis.Redis.from_url(redis_url)
-    streams = [f"{namespace}:{{counter.increment:{p}}}" for p in (0, 1)]
-    workers = Workers({**worker_env, "DATABASE_URL": pg_url}, tmp_path)
-    opts = ("--visibility-timeout", "1", "--prefetch", "100", "--concurrency", "16")
-    opts += ("--group-commit-ms", "50", "--sql-connections", "2")
-    try:
-        for round_ in range(4):
-            before = sum(r.xlen(s) for s in streams)
-            procs = [workers.start("faultapp:counter", f"w{round_}{x}", *opts, JOB_SLEEP="0.002") for x in "ab"]
-            wait_for(
-                lambda before=before: (
-                    sum(r.xlen(s) for s in streams) < before - 500 or sum(r.xlen(s) for s in streams) == 0
-                ),
-                120,
-                "progress",
-            )
-            time.sleep(0.1)
-            for p in procs:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-        last = workers.start("faultapp:counter", "last", *opts, JOB_SLEEP="0")
-        wait_for(lambda: sum(r.xlen(s) for s in streams) == 0, 300, "every command")
-        last.send_signal(signal.SIGTERM)
-        assert last.wait(timeout=60) == 0
-    finally:
-        workers.stop_all()
-    value, rows, distinct, staged = anyio.run(_counts, pg_url)
-    assert value == total, f"counter is {value}, expected {total}"
-    assert rows == distinct == total
-    assert staged == total
+    kills = run_counter_under_kills(
+        {**worker_env, "DATABASE_URL": pg_url},
+        tmp_path,
+        pg_url,
+        redis_url,
+        namespace,
+        total=4000,
+        rounds=4,
+        step=500,
+        pause=0.1,
+        extra=("--group-commit-ms", "50", "--sql-connections", "2"),
+    )
+    assert kills == 8

@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 from framework import Context, Queue, RetryPolicy, Service, SyncClient, outbox
 from framework.testing import ServiceHarness
-from tests.test_faults import Workers, wait_for
+from tests.workers import Workers, wait_for
 
 pytestmark = pytest.mark.postgres
 
@@ -93,29 +93,57 @@ async def test_duplicates_and_failures_leave_sql_effects_applied_once(
 def test_ten_thousand_increments_under_repeated_worker_kills_count_exactly_ten_thousand(
     worker_env: dict[str, str], tmp_path: Path, pg_url: str, redis_url: str, namespace: str
 ) -> None:
+    kills = run_counter_under_kills(
+        {**worker_env, "DATABASE_URL": pg_url},
+        tmp_path,
+        pg_url,
+        redis_url,
+        namespace,
+        total=10_000,
+        rounds=5,
+        step=1200,
+    )
+    assert kills == 10
+
+
+def run_counter_under_kills(
+    env: dict[str, str],
+    tmp_path: Path,
+    pg_url: str,
+    redis_url: str,
+    namespace: str,
+    *,
+    total: int,
+    rounds: int,
+    step: int,
+    pause: float = 0.2,
+    extra: tuple[str, ...] = (),
+) -> int:
+    """Send ``total`` increments; ``rounds`` times start two counter workers and SIGKILL both once
+    they made ``step`` progress; a last worker drains. Asserts every effect landed exactly once
+    (counter, rows, outbox rows) and returns how many workers were killed."""
     anyio.run(_prepare, pg_url)
-    total = 10_000
     queue = Queue("counter.increment", partitions=2)
     with SyncClient(redis_url, namespace=namespace) as client:
         for i in range(0, total, 1000):
             client.send_many(queue, [{"n": str(n)} for n in range(i, i + 1000)])
     r = redis.Redis.from_url(redis_url)
     streams = [f"{namespace}:{{counter.increment:{p}}}" for p in (0, 1)]
-    workers = Workers({**worker_env, "DATABASE_URL": pg_url}, tmp_path)
-    opts = ("--visibility-timeout", "1", "--prefetch", "100", "--concurrency", "16")
+    workers = Workers(env, tmp_path)
+    opts = ("--visibility-timeout", "1", "--prefetch", "100", "--concurrency", "16", *extra)
+    kills = 0
     try:
-        kills = 0
-        for round_ in range(5):
+        for round_ in range(rounds):
             before = sum(r.xlen(s) for s in streams)
             procs = [workers.start("faultapp:counter", f"w{round_}{x}", *opts, JOB_SLEEP="0.002") for x in "ab"]
             wait_for(
                 lambda before=before: (
-                    sum(r.xlen(s) for s in streams) < before - 1200 or sum(r.xlen(s) for s in streams) == 0
+                    sum(r.xlen(s) for s in streams) < before - step or sum(r.xlen(s) for s in streams) == 0
                 ),
                 120,
                 "progress",
             )
-            time.sleep(0.2)
+            time.sleep(pause)
             for p in procs:
                 p.send_signal(signal.SIGKILL)
                 p.wait()
@@ -127,10 +155,10 @@ def test_ten_thousand_increments_under_repeated_worker_kills_count_exactly_ten_t
     finally:
         workers.stop_all()
     value, rows, distinct, staged = anyio.run(_counts, pg_url)
-    assert kills == 10
     assert value == total, f"counter is {value}, expected {total}"
     assert rows == distinct == total  # every command's effects exactly once
     assert staged == total  # and its outgoing message, once, in the outbox table
+    return kills
 
 
 @pytest.mark.anyio
