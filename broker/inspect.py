@@ -13,7 +13,8 @@ import orjson
 from redis.exceptions import NoPermissionError, ResponseError
 
 from broker.codec import decode_fields
-from broker.envelope import Envelope
+from broker.envelope import Envelope, now_ms
+from broker.keys import INBOX_SLOT_MS, inbox_slot
 from broker.protocol import GroupPartition
 from broker.redis_broker import RedisBroker
 from broker.topology import DestinationSpec
@@ -24,17 +25,82 @@ __all__ = [
     "DestinationUsage",
     "GroupState",
     "GroupUsage",
+    "INBOX_BYTES_PER_ID",
+    "InboxMemory",
     "PartitionState",
     "dead_letter_count",
     "describe",
     "destination_usage",
     "group_state",
     "group_usage",
+    "inbox_memory",
     "stored_messages",
 ]
 
 _LAG_SCAN_LIMIT = 100_000  # when the server cannot tell the lag, count at most this many entries
 _UNREAD_SCAN_LIMIT = 1_000_000  # the same, for a report before deleting a group: exactness over speed
+
+INBOX_BYTES_PER_ID = 24
+"""Server bytes one processed id costs in the inbox's buckets (measured by ``python -m benchmarks
+--only memory``: about 20; rounded up for buckets of slots the rate does not fill)."""
+_ZSET_BYTES_PER_ID = 110  # an id kept in the zset (not a UUIDv7/v8, or recorded before the buckets)
+_DEFAULT_WINDOW_MS = 7 * 24 * 3600 * 1000
+_RATE_SLOTS = 4  # the rate is the busiest of the last complete slots (about an hour)
+
+
+@attrs.frozen
+class InboxMemory:
+    """What a group's inbox holds on one or more partitions, and what it will hold at its rate.
+
+    ``ids`` are remembered now (buckets and zset); ``ids_per_s`` is the busiest of the last
+    complete 17.5-minute slots (ids recorded, by the ids' own time); ``window_ms`` is the dedup
+    window the group's workers store (a week until one runs). ``bytes`` is the server memory the
+    inbox needs at that rate over the whole window (or now, if more): the sizing rule
+    ``bytes per id x rate x window``.
+    """
+
+    ids: int = 0
+    bucket_ids: int = 0
+    ids_per_s: float = 0.0
+    window_ms: int = 0
+
+    @property
+    def bytes(self) -> int:
+        """Projected server memory over the whole window, in bytes."""
+        at_rate = self.ids_per_s * self.window_ms / 1000
+        zset = self.ids - self.bucket_ids
+        return int(max(self.bucket_ids, at_rate) * INBOX_BYTES_PER_ID + zset * _ZSET_BYTES_PER_ID)
+
+    def __add__(self, other: InboxMemory) -> InboxMemory:
+        return InboxMemory(
+            self.ids + other.ids,
+            self.bucket_ids + other.bucket_ids,
+            self.ids_per_s + other.ids_per_s,
+            max(self.window_ms, other.window_ms),
+        )
+
+
+async def inbox_memory(broker: RedisBroker, view: GroupPartition, *, now: int | None = None) -> InboxMemory:
+    """Read what ``view``'s inbox holds (one pipelined round trip of HGETs and a ZCARD; no SCAN).
+
+    Counts the slots that ids of the window's time fall in (ids far older, from a replay, are
+    remembered all the same but not counted here).
+    """
+    now = now_ms() if now is None else now
+    base = view.keys.inbox
+    raw = await broker.redis.hget(f"{base}:info", "window")
+    window = int(raw) if raw else _DEFAULT_WINDOW_MS
+    first, last = (now - window) // INBOX_SLOT_MS - 1, now // INBOX_SLOT_MS + 1
+    pipe = broker.redis.pipeline(transaction=False)
+    pipe.zcard(base)
+    for slot in range(first, last + 1):
+        pipe.hget(f"{base}:{inbox_slot(slot * INBOX_SLOT_MS)}", "n")
+    zcard, *counts = await pipe.execute()
+    per_slot = [int(c or 0) for c in counts]
+    current = now // INBOX_SLOT_MS - first  # index of the slot now is in
+    recent = per_slot[max(current - _RATE_SLOTS, 0) : current] or [0]
+    rate = max(recent) / (INBOX_SLOT_MS / 1000)
+    return InboxMemory(int(zcard) + sum(per_slot), sum(per_slot), rate, window)
 
 
 @attrs.frozen
@@ -51,6 +117,7 @@ class GroupState:
     lag: int
     delayed: int
     dead_letters: int
+    inbox: InboxMemory = InboxMemory()
 
     @property
     def idle(self) -> bool:
@@ -103,6 +170,13 @@ def _group_totals(state: DestinationState) -> list[dict[str, Any]]:
             t["consumers"] = max(t["consumers"], g.consumers)
             for k in ("pending", "lag", "delayed", "dead_letters"):
                 t[k] += getattr(g, k)
+            t["_inbox"] = t.get("_inbox", InboxMemory()) + g.inbox
+    for t in totals.values():
+        inbox = t.pop("_inbox", InboxMemory())
+        t["inbox_ids"] = inbox.ids
+        t["inbox_ids_per_s"] = round(inbox.ids_per_s, 3)
+        t["inbox_window_s"] = inbox.window_ms / 1000
+        t["inbox_bytes"] = inbox.bytes  # projected over the whole window at the recent rate
     return sorted(totals.values(), key=lambda t: t["group"])
 
 
@@ -133,7 +207,8 @@ async def group_state(broker: RedisBroker, view: GroupPartition) -> GroupState:
     pipe.zcard(view.keys.delayed)
     pipe.xlen(view.keys.dlq)
     delayed, dead = await pipe.execute()
-    return GroupState(view.group, consumers, pending, lag, int(delayed), int(dead))
+    inbox = await inbox_memory(broker, view)
+    return GroupState(view.group, consumers, pending, lag, int(delayed), int(dead), inbox)
 
 
 async def describe(broker: RedisBroker, names: list[str] | None = None) -> list[DestinationState]:
@@ -255,11 +330,11 @@ async def group_usage(broker: RedisBroker, spec: DestinationSpec, group: str) ->
                 ms = int(_text(first[0][0]).split("-")[0])
                 oldest = ms if oldest is None else min(oldest, ms)
         pipe = broker.redis.pipeline(transaction=False)
-        pipe.zcard(view.keys.inbox)  # processed ids and running leases; ZCARD keeps the operator ACL small
         pipe.zcard(view.keys.delayed)
         pipe.xlen(view.keys.redeliver)
         pipe.xlen(view.keys.dlq)
-        processed, delayed, redeliver, dlq = await pipe.execute()
+        delayed, redeliver, dlq = await pipe.execute()
+        processed = (await inbox_memory(broker, view)).ids  # ids and running leases; HGET/ZCARD: a small ACL
         inbox, retries, dead = inbox + int(processed), retries + int(delayed) + int(redeliver), dead + int(dlq)
     consumers = sorted(seen.values(), key=lambda c: c.idle_ms)
     return GroupUsage(spec, group, start, consumers, inbox, retries, dead, pending, retained, delivered, unread, oldest)

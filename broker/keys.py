@@ -14,11 +14,28 @@ MULTI that touch a stream and its group keys stay on one Cluster node::
     <ns>:{<dest>:<p>}:g:<group>:redeliver      stream  retries and redrives for that group only
     <ns>:{<dest>:<p>}:g:<group>:delayed        zset    delayed retries: member = JSON entry, score = due ms
     <ns>:{<dest>:<p>}:g:<group>:dlq            stream  the group's dead letters
-    <ns>:{<dest>:<p>}:g:<group>:inbox          zset    message ids: score >= 0 processed at (ms, final);
-                                                       score < 0 leased to a running handler until -score ms
+    <ns>:{<dest>:<p>}:g:<group>:inbox          zset    message ids (text): score < 0 leased to a running
+                                                       handler until -score ms; score >= 0 processed at (ms,
+                                                       final) for ids that are not UUIDv7/v8, and records
+                                                       written before the buckets below (read until trimmed)
+    <ns>:{<dest>:<p>}:g:<group>:inbox:info     hash    window = the group's dedup window, ms
+    <ns>:{<dest>:<p>}:g:<group>:inbox:<slot>   hash    r = the slot's bucket spans, n = ids recorded,
+                                                       h = highest id time recorded
+    <ns>:{<dest>:<p>}:g:<group>:inbox:<slot>:k set     the slot's bucket keys
+    <ns>:{<dest>:<p>}:g:<group>:inbox:b:<S>:<t>
+                                               hash    processed UUIDv7/v8 ids whose time >> S is t (hex):
+                                                       field = id bytes 4..16 (13 bytes), value 1
     <ns>:{<dest>:<p>}:g:<group>:attempts       hash    id -> attempts started on redeliveries (crash loops)
 
 ``<ns>`` (default ``fw``) separates deployments and test runs sharing one server.
+
+The inbox's buckets (``broker/lua/inbox_store.lua`` has the details): ``<slot>`` is the id's own
+time >> 20 ms (17.5-minute slots, the id's first 7 hex digits); a bucket holds the ids of 2^S ms of
+id time, S chosen per slot from the rate so a bucket holds about 64 ids. Ids are time-ordered, so a
+batch's ids fall in a handful of buckets: one HMGET per bucket checks a batch, one HSET per bucket
+records it, and a bucket stays in the server's compact listpack encoding (about 20 bytes per id,
+against about 108 for a zset member). Every write sets the expiry of the keys it touched to the
+window, so whole buckets expire a window after their last write.
 """
 
 from __future__ import annotations
@@ -29,9 +46,27 @@ import attrs
 
 from broker.errors import ConfigurationError
 
-__all__ = ["GroupKeys", "KeySpace", "PartitionKeys"]
+__all__ = ["INBOX_SLOT_MS", "GroupKeys", "KeySpace", "PartitionKeys", "compact_id", "inbox_slot"]
 
 _NS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_HEX32 = re.compile(r"[0-9a-fA-F]{32}")
+
+INBOX_SLOT_MS = 1 << 20
+"""Milliseconds of id time one inbox slot covers (17.5 minutes)."""
+
+
+def compact_id(message_id: str) -> bytes:
+    """The 16 bytes of a UUIDv7/v8 text id (kept in the inbox's buckets); ``b""`` for any other id
+    (kept in the inbox zset). The same rule as ``inbox_compact`` in ``broker/lua/inbox_store.lua``."""
+    if len(message_id) != 36 or message_id[14] not in "78":
+        return b""
+    h = message_id.replace("-", "")
+    return bytes.fromhex(h) if _HEX32.fullmatch(h) else b""
+
+
+def inbox_slot(time_ms: int) -> str:
+    """The name of the inbox slot that holds ids of ``time_ms`` (7 hex digits)."""
+    return f"{time_ms >> 20:07x}"
 
 
 @attrs.frozen

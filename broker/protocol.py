@@ -258,10 +258,17 @@ class GroupReader(Protocol):
         ...
 
     async def inbox_claim(
-        self, source: GroupPartition, deliveries: Sequence[Delivery], lease_ms: int, *, channel: Any = None
+        self,
+        source: GroupPartition,
+        deliveries: Sequence[Delivery],
+        lease_ms: int,
+        *,
+        channel: Any = None,
+        window_ms: int = 0,
     ) -> list[int]:
         """Per delivery: 0 leased to the caller (run it), 1 already processed (ack it), 2 leased
-        elsewhere (leave it pending). Redeliveries take stale leases over."""
+        elsewhere (leave it pending). Redeliveries take stale leases over. ``window_ms``: the
+        group's dedup window, which the records made final later are kept for (0: as stored)."""
         ...
 
 

@@ -62,7 +62,21 @@ class Script:
         pipe.evalsha(self.sha, len(keys), *keys, *args)
 
 
+_INCLUDE = "--#include "
+"""A line ``--#include NAME`` in a script is replaced by ``broker/lua/NAME.lua`` (shared Lua code:
+the inbox's buckets, ``inbox_store.lua``); the SHA is that of the expanded source."""
+
+
+def _expand(base: Any, source: str) -> str:
+    lines = []
+    for line in source.splitlines(keepends=True):
+        if line.startswith(_INCLUDE):
+            line = (base / f"{line[len(_INCLUDE) :].strip()}.lua").read_text()
+        lines.append(line)
+    return "".join(lines)
+
+
 def load_scripts() -> dict[str, Script]:
     """Read every script shipped in ``broker/lua``."""
     base = resources.files("broker") / "lua"
-    return {name: Script(name, (base / f"{name}.lua").read_text()) for name in _NAMES}
+    return {name: Script(name, _expand(base, (base / f"{name}.lua").read_text())) for name in _NAMES}

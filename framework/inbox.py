@@ -47,7 +47,13 @@ async def check_inbox(
     caller's own connection, if it has one.
     """
     try:
-        statuses = await wiring.broker.inbox_claim(ledger.view, deliveries, wiring.lease_ms, channel=channel)
+        statuses = await wiring.broker.inbox_claim(
+            ledger.view,
+            deliveries,
+            wiring.lease_ms,
+            channel=channel,
+            window_ms=int(wiring.settings.inbox_window * 1000),
+        )
     except BaseException:
         ledger.forget(deliveries)
         raise

@@ -3,10 +3,35 @@
 from __future__ import annotations
 
 import math
+import os
 
 import attrs
 
-__all__ = ["RuntimeSettings"]
+__all__ = ["RuntimeSettings", "inbox_memory_budget", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """A size such as ``268435456``, ``256MiB``, ``1.5 GiB`` or ``512MB``, in bytes."""
+    value = text.strip()
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ")
+    unit = value[len(number) :].strip().lower()
+    try:
+        size = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise ValueError(f"not a size: {text!r} (use bytes, or a unit: KiB, MiB, GiB, MB, GB)") from None
+    if not math.isfinite(size) or size < 0:
+        raise ValueError(f"not a size: {text!r}")
+    return int(size)
+
+
+def inbox_memory_budget() -> int:
+    """``$FRAMEWORK_INBOX_MEMORY_BUDGET`` in bytes, else 256 MiB."""
+    raw = os.environ.get("FRAMEWORK_INBOX_MEMORY_BUDGET", "").strip()
+    return parse_bytes(raw) if raw else 256 * 2**20
+
 
 _DURATIONS = (
     "visibility_timeout",
@@ -36,6 +61,10 @@ class RuntimeSettings:
     consumer            consumer name (default: host name plus a slot number held by a lock file,
                         so a restarted process gets its old name and re-reads its own pending entries)
     inbox_window        seconds processed message ids are remembered for deduplication
+    inbox_memory_budget server bytes a group's Redis inbox may need over its window (bytes per id x
+                        ids per second x window; see docs/idempotency.md) before a worker warns at
+                        start and ``framework status`` flags it (default ``$FRAMEWORK_INBOX_MEMORY_BUDGET``,
+                        e.g. ``512MiB``, else 256 MiB)
     group_commit_size   ``ctx.sql_transaction`` blocks (PostgreSQL) committed together at most: the
                         blocks of one worker run in savepoints of a shared transaction that commits
                         after this many, after ``group_commit_wait``, or at once when no other block
@@ -58,6 +87,7 @@ class RuntimeSettings:
     retry_interval: float = 0.25
     consumer: str | None = None
     inbox_window: float = 7 * 24 * 3600.0
+    inbox_memory_budget: int = attrs.field(factory=lambda: inbox_memory_budget())
     group_commit_size: int = 32
     group_commit_wait: float = 0.005
     sql_connections: int = 8

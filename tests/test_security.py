@@ -25,7 +25,7 @@ from tests.conftest import run_cli
 # The documented rules (docs/drafts/security.md, "ACL rules"), with NS for the namespace.
 WORKER_RULES = (
     "~NS:* resetchannels -@all +ping +evalsha +script|load "
-    "+hget +hgetall +hkeys +hset +hsetnx +hincrby +hdel "
+    "+hget +hmget +hgetall +hkeys +hlen +hset +hsetnx +hincrby +hdel +sadd "
     "+xreadgroup +xautoclaim +xclaim +xpending +xack +xadd +xdel +xlen +xrange +xtrim "
     "+xgroup|create +xgroup|delconsumer +xinfo|groups +xinfo|consumers "
     "+zadd +zcard +zmscore +zrange +zrangebyscore +zrem +zremrangebyscore +zscore +pexpire +pttl"
@@ -35,7 +35,7 @@ PRODUCER_RULES = (
     "+xadd +zadd +zrangebyscore +zrem +zscore +pexpire +pttl"
 )
 OPERATOR_RULES = (
-    "~NS:* resetchannels -@all +ping +evalsha +script|load +hget +hgetall +hkeys +hdel +del "
+    "~NS:* resetchannels -@all +ping +evalsha +script|load +hget +hgetall +hkeys +hdel +del +smembers "
     "+xlen +xrange +xadd +xdel +xinfo|groups +xinfo|consumers +xgroup|destroy +zcard"
 )
 

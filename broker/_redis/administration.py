@@ -14,7 +14,9 @@ from redis.exceptions import ResponseError
 
 from broker._redis.core import text
 from broker._redis.topology import Topology
+from broker.envelope import now_ms
 from broker.errors import ConfigurationError
+from broker.keys import INBOX_SLOT_MS, inbox_slot
 from broker.protocol import GroupPartition
 from broker.topology import DestinationSpec
 
@@ -45,6 +47,29 @@ class Administration(Topology):
             return 0
         return int(await self.redis.xdel(view.keys.dlq, *dlq_entry_ids))
 
+    async def delete_inbox(self, source: GroupPartition) -> int:
+        """Delete the group's inbox on this partition: the zset and the buckets of every slot in the
+        window (each slot lists its buckets; ids of older times, from a replay, expire by themselves).
+        DEL, HGET and SMEMBERS only: no SCAN, the operator ACL stays small. Returns keys deleted."""
+        base = source.keys.inbox
+        raw = await self.redis.hget(f"{base}:info", "window")
+        window = int(raw) if raw else 7 * 24 * 3600 * 1000
+        now = now_ms()
+        deleted = 0
+        metas = [
+            f"{base}:{inbox_slot(s * INBOX_SLOT_MS)}"
+            for s in range((now - window) // INBOX_SLOT_MS - 1, now // INBOX_SLOT_MS + 2)
+        ]
+        pipe = self.redis.pipeline(transaction=False)
+        for meta in metas:
+            pipe.smembers(f"{meta}:k")
+        for meta, names in zip(metas, await pipe.execute(), strict=True):
+            listed = sorted(f"{base}:{text(n)}" for n in names)
+            for i in range(0, len(listed), 1000):
+                deleted += int(await self.redis.delete(*listed[i : i + 1000]))
+            deleted += int(await self.redis.delete(meta, f"{meta}:k"))
+        return deleted + int(await self.redis.delete(base, f"{base}:info"))
+
     async def unsubscribe(self, spec: DestinationSpec, group: str) -> None:
         """Remove ``group`` from every partition of ``spec`` with its retry, DLQ and inbox keys.
 
@@ -58,6 +83,7 @@ class Administration(Topology):
                 with contextlib.suppress(ResponseError):
                     await self.redis.xgroup_destroy(stream, group)
             keys = view.keys
+            await self.delete_inbox(view)
             await self.redis.delete(keys.redeliver, keys.delayed, keys.dlq, keys.inbox, keys.attempts)
         await self.redis.hdel(self.keyspace.subscriptions, f"{spec.name}|{group}")
 
@@ -89,6 +115,7 @@ class Administration(Topology):
             for group in groups:
                 g = pkeys.group(group)
                 keys |= {g.redeliver, g.delayed, g.dlq, g.inbox, g.attempts}
+                deleted += await self.delete_inbox(self.group_partition(spec, p, group))
             deleted += int(await self.redis.delete(*sorted(keys)))
             self._pkeys.pop((spec.name, p), None)
         for group in groups:

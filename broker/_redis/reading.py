@@ -16,6 +16,7 @@ from broker._redis.core import RedisCore, text
 from broker.codec import decode_flat
 from broker.envelope import Envelope, now_ms
 from broker.errors import DecodeError
+from broker.keys import compact_id
 from broker.protocol import Delivery, Extension, GroupPartition
 from broker.wire import Channel
 
@@ -195,23 +196,33 @@ class Reading(RedisCore):
         return Extension(owned, taken)
 
     async def inbox_claim(
-        self, source: GroupPartition, deliveries: Sequence[Delivery], lease_ms: int, *, channel: Channel | None = None
+        self,
+        source: GroupPartition,
+        deliveries: Sequence[Delivery],
+        lease_ms: int,
+        *,
+        channel: Channel | None = None,
+        window_ms: int = 0,
     ) -> list[int]:
         """Check deliveries against the group's inbox and lease the new ones, in one call.
 
         Returns a status per delivery: 0 leased to us (run it), 1 already processed (ack it),
         2 leased elsewhere (leave it pending). Redelivered entries take over stale leases.
+        ``window_ms`` (the dedup window) is stored for the group: acks set their records' expiry
+        from it (default a week until a claim stores one).
         """
         script = self.scripts["inbox_claim"]
         keys = [source.keys.inbox]
         again = [d for d in deliveries if d.delivery_count != 1]
         if not again:  # the common case: one list, statuses in order
-            args = [now_ms(), lease_ms, len(deliveries), *(d.message_id for d in deliveries)]
+            ids = [d.message_id for d in deliveries]
+            args = [now_ms(), lease_ms, len(ids), window_ms, len(ids), *ids, *map(compact_id, ids)]
             if channel is not None:
                 return await script.on(channel, keys, args)  # type: ignore[no-any-return]
             return await script(self.redis, keys, args)  # type: ignore[no-any-return]
         first = [d for d in deliveries if d.delivery_count == 1]
-        args = [now_ms(), lease_ms, len(first), *(d.message_id for d in first), *(d.message_id for d in again)]
+        ids = [*(d.message_id for d in first), *(d.message_id for d in again)]
+        args = [now_ms(), lease_ms, len(first), window_ms, len(ids), *ids, *map(compact_id, ids)]
         reply = await (script.on(channel, keys, args) if channel is not None else script(self.redis, keys, args))
         status = dict(zip((id(d) for d in [*first, *again]), (int(x) for x in reply), strict=True))
         return [status[id(d)] for d in deliveries]

@@ -18,6 +18,7 @@ from broker.codec import encode_fields
 from broker.envelope import Envelope, now_ms
 from broker.errors import EffectsFailed
 from broker.headers import DLQ_ERROR_MESSAGE, DLQ_ERROR_TYPE, DLQ_REASON, FIRST_FAILED_AT, IDEMPOTENCY_KEY
+from broker.keys import compact_id
 from broker.protocol import Delivery, GroupPartition
 from broker.topology import DestinationSpec
 from broker.wire import Channel
@@ -63,6 +64,7 @@ class Settlement(Topology):
                     len(counters),
                     *(d.entry_id for d in chunk),
                     *marks,
+                    *map(compact_id, marks),
                     *counters,
                 ]
                 calls.append(("ack", [stream, *script_keys], args))
@@ -216,8 +218,9 @@ class Settlement(Topology):
         return int(await self.scripts["trim"](self.redis, [pkeys.stream], [cutoff, spec.max_length or 0, max_removed]))
 
     async def trim_inbox(self, source: GroupPartition, older_than_ms: int) -> int:
-        """Forget processed ids recorded before ``older_than_ms`` (the dedup window's end) and leases
-        that expired (their handlers died; a redelivery takes the message over)."""
+        """Forget processed ids the zset recorded before ``older_than_ms`` (the dedup window's end: ids
+        that are not UUIDv7/v8, and records from before the buckets) and leases that expired (their
+        handlers died; a redelivery takes the message over). The buckets expire by themselves."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.zremrangebyscore(source.keys.inbox, 0, older_than_ms)
         pipe.zremrangebyscore(source.keys.inbox, f"({-now_ms()}", "(0")

@@ -2,7 +2,9 @@
 -- ack in one atomic step, unless the message was already processed (then only ack it).
 --
 -- KEYS[1]  stream the entry was read from
--- KEYS[2]  the group's inbox zset (a score >= 0 means processed; see inbox_claim.lua)
+-- KEYS[2]  the group's inbox zset (leases, and final scores >= 0 for ids that are not UUIDv7/v8;
+--          see inbox_claim.lua); UUIDv7/v8 ids are checked and recorded in the inbox's buckets
+--          (inbox_store.lua, included below), their lease removed from the zset
 -- KEYS[3]  the group's attempts hash
 -- KEYS[4]  the group's DLQ stream (written only when the writes fail half-way)
 -- KEYS[5 ..]  the keys the writes and outgoing messages touch (declared for Cluster routing)
@@ -30,6 +32,7 @@
 -- A failure at the first command is dead-lettered too: errors a retry could outlive (OOM,
 -- READONLY, NOREPLICAS) refuse the first write and the DLQ write alike, so the script raises
 -- having written nothing, and the entry stays pending.
+--#include inbox_store
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[4], 1)
 if #pending == 0 then return 0 end
 -- unpack() below fails past about 8000 values (Lua's C stack), which would stop the script after
@@ -51,7 +54,8 @@ do
   end
 end
 local s = redis.call('ZSCORE', KEYS[2], ARGV[5])
-local done = s and tonumber(s) >= 0
+local bin = inbox_compact(ARGV[5])
+local done = (s and tonumber(s) >= 0) or (bin ~= '' and inbox_seen(KEYS[2], bin))
 if not done then
   local n, m, r = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
   local pos = 9 + 2 * r
@@ -105,7 +109,13 @@ if not done then
     end
     pos = pos + c + 1
   end
-  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[5])
+  if bin ~= '' then
+    inbox_record(KEYS[2], bin)
+    inbox_flush(KEYS[2])
+    redis.call('ZREM', KEYS[2], ARGV[5])
+  else
+    redis.call('ZADD', KEYS[2], ARGV[3], ARGV[5])
+  end
 end
 redis.call('HDEL', KEYS[3], ARGV[5])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[4])

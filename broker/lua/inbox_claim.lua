@@ -1,33 +1,48 @@
 -- inbox_claim.lua: check a fetched batch against the group's inbox and lease the new messages.
 --
--- KEYS[1]  the group's inbox zset: member = message id; score >= 0: processed at that Unix ms
---          (final); score < 0: leased to a running handler until -score Unix ms
+-- KEYS[1]  the group's inbox zset: member = message id text; score < 0: leased to a running handler
+--          until -score Unix ms; score >= 0: processed at that Unix ms (final), for ids that are not
+--          UUIDv7/v8 and for records written before the buckets existed (read until trimmed)
+--          The processed UUIDv7/v8 ids are in buckets named after KEYS[1] (inbox_store.lua, included
+--          below; every key shares KEYS[1]'s hash tag, so a Cluster routes them together).
 -- ARGV[1]  now, Unix ms
 -- ARGV[2]  lease length, ms
--- ARGV[3]  n, first-delivery ids that follow (they respect a live lease held elsewhere)
--- ARGV[4 .. 3+n]   first-delivery message ids
--- ARGV[4+n .. end] redelivered message ids (their previous holder timed out or is us: take over)
+-- ARGV[3]  n, first-delivery ids (they respect a live lease held elsewhere); the rest are redelivered
+--          ids (their previous holder timed out or is us: take over)
+-- ARGV[4]  the group's dedup window, ms (stored in <inbox>:info for the scripts that record ids;
+--          0 leaves it as it is)
+-- ARGV[5]  c, the number of ids
+-- ARGV[6 .. 5+c]      message ids (text), first deliveries first
+-- ARGV[6+c .. 5+2c]   the same ids' 16-byte form (broker.keys.compact_id), '' for other ids
 -- Returns one status per id, in order: 0 = leased to the caller (run it), 1 = already processed
 -- (a duplicate: ack it without running), 2 = being processed elsewhere under a live lease.
--- One ZMSCORE and one variadic ZADD per 1000 ids (not one call per id) keep the cost per message low.
+-- One ZMSCORE and one variadic ZADD per 1000 ids (not one call per id) keep the cost per message low;
+-- the buckets are checked with one HMGET per bucket the batch's ids fall in (a handful per batch).
+--#include inbox_store
 local now = tonumber(ARGV[1])
 local lease = -(now + tonumber(ARGV[2]))
 local n = tonumber(ARGV[3])
+local c = tonumber(ARGV[5])
+local window = ARGV[4]
+if window ~= '0' and redis.call('HGET', KEYS[1] .. ':info', 'window') ~= window then
+  redis.call('HSET', KEYS[1] .. ':info', 'window', window)
+end
 -- unpack() fails beyond about 8000 values (Lua's C stack) and a fetch may hold more (2 x prefetch):
 -- every variadic call goes in chunks of 1000 ids.
 local CHUNK = 1000
 local scores = {}
-for first = 4, #ARGV, CHUNK do
-  local part = redis.call('ZMSCORE', KEYS[1], unpack(ARGV, first, math.min(first + CHUNK - 1, #ARGV)))
-  for j = 1, #part do scores[first - 4 + j] = part[j] end
+for first = 6, 5 + c, CHUNK do
+  local part = redis.call('ZMSCORE', KEYS[1], unpack(ARGV, first, math.min(first + CHUNK - 1, 5 + c)))
+  for j = 1, #part do scores[first - 6 + j] = part[j] end
 end
+local seen = inbox_seen_many(KEYS[1], ARGV, 6 + c, c)
 local out, zadd, taken = {}, {}, {}
 local z = 0
-for i = 1, #ARGV - 3 do
-  local id = ARGV[i + 3]
+for i = 1, c do
+  local id = ARGV[i + 5]
   local s = scores[i]
   if s then s = tonumber(s) end
-  if s and s >= 0 then
+  if (s and s >= 0) or seen[i] then
     out[i] = 1
   elseif (s and -s > now and i <= n) or taken[id] then
     out[i] = 2  -- a live lease elsewhere, or a second copy in this very batch (the first one runs)

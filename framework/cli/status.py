@@ -1,6 +1,9 @@
 """``framework status [DESTINATION ...]``: destinations, partitions, groups, depth, pending and lag.
 
 A table on a terminal, ``--json`` for scripts; the figures come from :func:`broker.inspect.describe`.
+The ``inbox`` column is the server memory a group's Redis inbox needs over its whole dedup window
+at its recent rate (bytes per id x ids per second x window); a footer line names every group past
+the budget (``--inbox-budget``, default ``$FRAMEWORK_INBOX_MEMORY_BUDGET``, else 256 MiB).
 """
 
 from __future__ import annotations
@@ -15,8 +18,28 @@ import anyio
 from broker import connect
 from broker.inspect import DestinationState, describe
 from framework.cli.common import UsageError, connection_options, print_json
+from framework.settings import inbox_memory_budget, parse_bytes
 
-__all__ = ["register"]
+__all__ = ["over_budget", "register"]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def over_budget(states: list[DestinationState], budget: int) -> list[str]:
+    """One warning line per group whose inbox needs more than ``budget`` bytes over its window."""
+    lines = []
+    for s in states:
+        for g in s.to_json()["groups"]:
+            if g["inbox_bytes"] > budget:
+                lines.append(
+                    f"warning: the inbox of group {g['group']!r} on {s.spec.name!r} needs about "
+                    f"{_mib(g['inbox_bytes'])} of server memory ({g['inbox_ids_per_s']:,.1f} ids/s x "
+                    f"{g['inbox_window_s'] / 3600:,.1f} h window), more than the {_mib(budget)} budget: "
+                    "shorten the inbox window or raise the budget (docs/idempotency.md)"
+                )
+    return lines
 
 
 def show_status(args: argparse.Namespace) -> int:
@@ -30,11 +53,15 @@ def show_status(args: argparse.Namespace) -> int:
             await broker.close()
 
     try:
+        budget = parse_bytes(args.inbox_budget) if args.inbox_budget else inbox_memory_budget()
         states = anyio.run(collect)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    warnings = over_budget(states, budget)
     if args.json:
         print_json([s.to_json() for s in states])
+        for line in warnings:
+            print(line, file=sys.stderr)
         return 0
     from rich.console import Console
 
@@ -43,6 +70,8 @@ def show_status(args: argparse.Namespace) -> int:
         console.print("no destinations declared yet (publish a message or run a service first)")
     else:
         console.print(_table(states, args.namespace or os.environ.get("FRAMEWORK_NAMESPACE") or "fw"))
+        for line in warnings:
+            console.print(line, markup=False, highlight=False)
     return 0
 
 
@@ -51,7 +80,8 @@ def _table(states: list[DestinationState], namespace: str) -> Any:
     from rich.table import Table
 
     table = Table(title=f"destinations (namespace {namespace})")
-    for col in ("destination", "kind", "parts", "depth", "group", "consumers", "pending", "lag", "delayed", "dlq"):
+    cols = ("destination", "kind", "parts", "depth", "group", "consumers", "pending", "lag", "delayed", "dlq", "inbox")
+    for col in cols:
         table.add_column(col, justify="right" if col not in ("destination", "kind", "group") else "left")
     for s in states:
         groups = s.to_json()["groups"] or [None]
@@ -69,9 +99,10 @@ def _table(states: list[DestinationState], namespace: str) -> Any:
                     str(g["lag"]),
                     str(g["delayed"]),
                     str(g["dead_letters"]),
+                    _mib(g["inbox_bytes"]),
                 ]
                 if g
-                else ["(no group)", "", "", "", "", ""]
+                else ["(no group)", "", "", "", "", "", ""]
             )
             table.add_row(*head, *tail)
     return table
@@ -82,5 +113,11 @@ def register(sub: Any) -> None:
     status = sub.add_parser("status", help="destinations, partitions, groups, depth, pending and lag")
     status.add_argument("destinations", nargs="*", help="only these destinations")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--inbox-budget",
+        metavar="SIZE",
+        help="server memory a group's inbox may need over its window before it is flagged, e.g. 512MiB "
+        "(default $FRAMEWORK_INBOX_MEMORY_BUDGET, else 256MiB)",
+    )
     connection_options(status)
     status.set_defaults(func=show_status)

@@ -5,6 +5,8 @@
 * extend (:meth:`Upkeep.extend`): keep entries held here from being claimed while they wait or run;
 * move due retries (:meth:`Upkeep.move_due`): delayed retries back to this group's stream;
 * trim (:meth:`Upkeep.trim`): a topic's retention, and inbox ids older than the dedup window;
+  its first pass (and one every ten minutes) checks the inbox's memory against the budget and
+  logs one warning when the group's rate times its window needs more;
 * watchdog (:meth:`Upkeep.watch`): cancel handler runs past their timeout.
 
 Broker duties run under :func:`every` (each pass that worked marks progress); the watchdog,
@@ -19,8 +21,10 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
+import attrs
 
 from broker import now_ms
+from broker.inspect import InboxMemory, inbox_memory
 from framework.runtime.admit import Admission
 from framework.runtime.connectivity import healthy
 from framework.runtime.ledger import Ledger
@@ -30,6 +34,7 @@ __all__ = ["Upkeep", "every", "every_local"]
 
 _PRUNE_EVERY = 600.0  # seconds between sweeps of departed consumers
 _PRUNE_IDLE = 3600.0  # a consumer idle this long with nothing pending has gone
+_BUDGET_EVERY = 600.0  # seconds between checks of the inbox's memory against the budget
 
 
 async def every(interval: float, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
@@ -54,6 +59,8 @@ class Upkeep:
         self.wiring = wiring
         self.admission = admission
         self.handed_over = False  # set at shutdown: the extender must not touch released entries again
+        self.budget_at = 0.0  # when to check the inbox's memory against the budget next
+        self.budget_warned = False  # one warning per process
 
     async def claim(self, ledger: Ledger) -> None:
         """Claim entries idle past the visibility timeout and admit them like fetched ones."""
@@ -119,10 +126,37 @@ class Upkeep:
         wiring = self.wiring
         spec = wiring.handler.destination.spec()
         now = now_ms()
+        ledgers = list(ledgers)
         for ledger in ledgers:
             await wiring.broker.trim(spec, ledger.partition, now)
             if wiring.handler.inbox:
                 await wiring.broker.trim_inbox(ledger.view, now - int(wiring.settings.inbox_window * 1000))
+        if wiring.handler.inbox and not self.budget_warned and time.monotonic() >= self.budget_at:
+            self.budget_at = time.monotonic() + _BUDGET_EVERY
+            await self.check_inbox_budget(ledgers)
+
+    async def check_inbox_budget(self, ledgers: Iterable[Ledger]) -> InboxMemory:
+        """Log one warning when the group's inbox needs more server memory over its window than the
+        budget (``inbox_memory_budget``): the recent rate (from the inbox's own slot counts) times the
+        window times the bytes one id costs. Returns the figures."""
+        wiring = self.wiring
+        settings = wiring.settings
+        total = InboxMemory()
+        for ledger in ledgers:
+            total += await inbox_memory(wiring.broker, ledger.view)
+        total = attrs.evolve(total, window_ms=int(settings.inbox_window * 1000))
+        if total.bytes > settings.inbox_memory_budget:
+            self.budget_warned = True
+            wiring.log.warning(
+                "the inbox needs more server memory than its budget: shorten inbox_window or raise "
+                "inbox_memory_budget (docs/idempotency.md)",
+                inbox_mib=round(total.bytes / 2**20, 1),
+                budget_mib=round(settings.inbox_memory_budget / 2**20, 1),
+                ids_per_s=round(total.ids_per_s, 1),
+                window_h=round(settings.inbox_window / 3600, 2),
+                ids=total.ids,
+            )
+        return total
 
     async def watch(self, ledgers: Iterable[Ledger]) -> None:
         """Cancel handler runs past their timeout (the watchdog).

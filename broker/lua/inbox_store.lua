@@ -1,0 +1,269 @@
+-- inbox_store.lua: the inbox's processed-id buckets, included (not run alone) by inbox_claim.lua,
+-- ack.lua and commit_effects.lua (see broker/keys.py for the layout and broker/scripts.py for
+-- the include).
+--
+-- A processed UUIDv7/v8 message id is one field of a small hash holding the ids of one short span
+-- of id time, kept in the server's compact listpack encoding (13-byte fields, about 64 per hash,
+-- under hash-max-listpack-entries = 128):
+--
+--   <inbox>:info             hash  window = the group's dedup window, ms (set by inbox_claim)
+--   <inbox>:<slot>           hash  r = the slot's regimes "T:S,T:S,..." (from id time T on, a bucket
+--                                  spans 2^S ms), n = ids recorded, h / f = highest / lowest id time
+--   <inbox>:<slot>:k         set   the slot's buckets, as 'b:<S>:<t >> S>' (to delete without SCAN)
+--   <inbox>:b:<S>:<t >> S>   hash  field = id bytes 4..16 (13 bytes), value 1
+--
+-- <slot> is the id's own millisecond time >> 20 (17.5-minute slots) as 7 hex digits. Ids close in
+-- time share a bucket, and message ids are time-ordered, so a fetched batch of 500 ids touches a
+-- handful of buckets: one HMGET per bucket checks them, one HSET per bucket records them (a few
+-- server calls per batch, not per id). S is chosen per slot so a bucket holds about INBOX_FILL ids:
+-- from the previous slot's count, else from the spread of the first batch's id times; a bucket
+-- that overflows past INBOX_MAX (or stays nearly empty) starts a new regime with a smaller (or
+-- larger) S, effective for ids above every id recorded so far (field h), so an id already
+-- recorded is always looked up where it was written (a bucket's key names its S).
+-- Every write sets the expiry of the keys it touched to the window from now: whole buckets expire
+-- a window after their last write, with no per-id trimming.
+-- Only commands of the documented worker ACL are used (HGET, HMGET, HSET, HLEN, SADD, PEXPIRE).
+local INBOX_FILL = 64
+local INBOX_MAX = 128
+local INBOX_SPARSE = 8
+local INBOX_DEFAULT_SHIFT = 8   -- 256 ms buckets until the rate is known
+local INBOX_SLOT = 1048576      -- 2^20 ms
+local INBOX_REGIMES = 16        -- at most this many span changes in one slot
+local INBOX_DEFAULT_WINDOW = 7 * 24 * 3600 * 1000
+
+local inbox_metas = {}    -- slot number -> {key, r = {{t, s}, ...}, n, h, dirty} or false
+local inbox_pending = {}  -- 16-byte ids to record (inbox_record), written by inbox_flush
+
+-- The 16-byte form of a UUID text id of version 7 or 8, '' for any other id (kept in the zset).
+-- Callers on the hot path pass it from Python (broker.keys.compact_id: the same rule).
+local function inbox_compact(id)
+  if #id ~= 36 or not string.find(string.sub(id, 15, 15), '^[78]$') then return '' end
+  local hex = string.gsub(id, '-', '')
+  if #hex ~= 32 or string.find(hex, '[^0-9a-fA-F]') then return '' end
+  return (string.gsub(hex, '..', function(h) return string.char(tonumber(h, 16)) end))
+end
+
+local function inbox_time(bin)  -- the id's 48-bit Unix ms (exact in a Lua number)
+  local a, b, c, d, e, f = string.byte(bin, 1, 6)
+  return ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f
+end
+
+local function inbox_shift_for(per_ms)  -- the S whose buckets hold about INBOX_FILL ids at this rate
+  local s, span = 0, INBOX_FILL / per_ms
+  while s < 20 and 2 ^ (s + 1) <= span do s = s + 1 end
+  return s
+end
+
+local function inbox_meta(base, slot)
+  local m = inbox_metas[slot]
+  if m == nil then
+    local key = base .. ':' .. string.format('%07x', slot)
+    local v = redis.call('HMGET', key, 'r', 'n', 'h', 'f')
+    if v[1] then
+      local r = {}
+      for t, s in string.gmatch(v[1], '(%d+):(%d+)') do r[#r + 1] = {tonumber(t), tonumber(s)} end
+      m = {key = key, r = r, n = tonumber(v[2]) or 0, h = tonumber(v[3]) or 0, f = tonumber(v[4])}
+    else
+      m = false
+    end
+    inbox_metas[slot] = m
+  end
+  return m
+end
+
+local function inbox_shift(m, t)
+  local r = m.r
+  local s = r[1][2]
+  for i = 2, #r do
+    if r[i][1] <= t then s = r[i][2] else break end
+  end
+  return s
+end
+
+local function inbox_regime_start(m, t)
+  local r = m.r
+  local start = r[1][1]
+  for i = 2, #r do
+    if r[i][1] <= t then start = r[i][1] else break end
+  end
+  return start
+end
+
+local function inbox_bucket(base, s, t)
+  return base .. ':b:' .. s .. ':' .. string.format('%x', math.floor(t / 2 ^ s))
+end
+
+-- Which of the ids are recorded as processed. bins[first .. first+count-1] are 16-byte ids ('' for
+-- ids kept in the zset, reported false); returns a table of booleans 1..count. One HMGET of the
+-- slot's info and one HMGET per bucket touched.
+local function inbox_seen_many(base, bins, first, count)
+  local seen, groups, order = {}, {}, {}
+  for i = 1, count do
+    seen[i] = false
+    local bin = bins[first + i - 1]
+    if bin ~= '' then
+      local t = inbox_time(bin)
+      local m = inbox_meta(base, math.floor(t / INBOX_SLOT))
+      if m then
+        local key = inbox_bucket(base, inbox_shift(m, t), t)
+        local g = groups[key]
+        if not g then
+          g = {fields = {}, idx = {}}
+          groups[key] = g
+          order[#order + 1] = key
+        end
+        g.fields[#g.fields + 1] = string.sub(bin, 4)
+        g.idx[#g.idx + 1] = i
+      end
+    end
+  end
+  for _, key in ipairs(order) do
+    local g = groups[key]
+    for from = 1, #g.fields, 1000 do
+      local to = math.min(from + 999, #g.fields)
+      local got = redis.call('HMGET', key, unpack(g.fields, from, to))
+      for j = 1, #got do
+        if got[j] then seen[g.idx[from + j - 1]] = true end
+      end
+    end
+  end
+  return seen
+end
+
+local function inbox_seen(base, bin)
+  return inbox_seen_many(base, {bin}, 1, 1)[1]
+end
+
+-- Queue a 16-byte id to record as processed; inbox_flush writes the queued ids.
+local function inbox_record(base, bin)
+  inbox_pending[#inbox_pending + 1] = bin
+end
+
+-- Start a regime with shift s for ids above every id recorded so far (m.h): ids already written
+-- keep the span they were written with (a bucket's key names its span, so old and new never mix).
+local function inbox_regime(m, s, old)
+  if s == old or #m.r >= INBOX_REGIMES then return end
+  local r = m.r
+  local t = m.h + 1
+  if r[#r][1] >= t then r[#r] = nil; m.dirty = true end  -- a regime no id was recorded in yet
+  if r[#r] and r[#r][2] == s then return end
+  r[#r + 1] = {t, s}
+  m.dirty = true
+end
+
+-- The slot's rate so far, ids per ms (from its count and the span of its ids' times)
+local function inbox_slot_rate(m, extra, lo, hi)
+  local f = math.min(m.f or lo, lo)
+  return (m.n + extra) / (math.max(m.h, hi) - f + 1)
+end
+
+-- Record the queued ids: per slot, its info; per bucket, one HSET (ids a bucket already holds are
+-- no-ops), an HLEN when something was added, its expiry set to the window.
+local function inbox_flush(base)
+  if #inbox_pending == 0 then return end
+  local window = tonumber(redis.call('HGET', base .. ':info', 'window')) or INBOX_DEFAULT_WINDOW
+  local slots, sorder = {}, {}
+  for _, bin in ipairs(inbox_pending) do
+    local t = inbox_time(bin)
+    local slot = math.floor(t / INBOX_SLOT)
+    local g = slots[slot]
+    if not g then
+      g = {bins = {}, ts = {}, lo = t, hi = t}
+      slots[slot] = g
+      sorder[#sorder + 1] = slot
+    end
+    g.bins[#g.bins + 1] = bin
+    g.ts[#g.ts + 1] = t
+    if t < g.lo then g.lo = t end
+    if t > g.hi then g.hi = t end
+  end
+  inbox_pending = {}
+  for _, slot in ipairs(sorder) do
+    local g = slots[slot]
+    local m = inbox_meta(base, slot)
+    if not m then  -- the slot's first record: choose its buckets' span
+      local rate = 0  -- ids per ms: the previous slot's, or this call's if higher
+      local prev = tonumber(redis.call('HGET', base .. ':' .. string.format('%07x', slot - 1), 'n'))
+      if prev then rate = prev / INBOX_SLOT end
+      if #g.ts >= 16 then rate = math.max(rate, #g.ts / (g.hi - g.lo + 1)) end
+      local s = INBOX_DEFAULT_SHIFT
+      if rate > 0 then s = inbox_shift_for(rate) end
+      m = {key = base .. ':' .. string.format('%07x', slot), r = {{0, s}}, n = 0, h = 0, f = g.lo, dirty = true}
+      inbox_metas[slot] = m
+    end
+    -- Group the ids by bucket; a bucket this call alone would overflow starts a regime of smaller
+    -- buckets above every id recorded before (m.h), and the ids are grouped again.
+    local buckets, border
+    for _ = 1, 4 do
+      buckets, border = {}, {}
+      for i = 1, #g.bins do
+        local t = g.ts[i]
+        local s = inbox_shift(m, t)
+        local key = inbox_bucket(base, s, t)
+        local b = buckets[key]
+        if not b then
+          b = {args = {}, s = s, lo = t, t = t}
+          buckets[key] = b
+          border[#border + 1] = key
+        end
+        b.args[#b.args + 1] = string.sub(g.bins[i], 4)
+        b.args[#b.args + 1] = 1
+        if t > b.t then b.t = t end
+        if t < b.lo then b.lo = t end
+      end
+      local split = false
+      for _, key in ipairs(border) do
+        local b = buckets[key]
+        local count = #b.args / 2
+        if count > INBOX_MAX and b.s > 0 then
+          local before = #m.r
+          local rate = math.max(count / 2 ^ b.s, count / (b.t - b.lo + 1))
+          inbox_regime(m, inbox_shift_for(rate), b.s)
+          if #m.r > before then split = true; break end
+        end
+      end
+      if not split then break end
+    end
+    if g.hi > m.h then m.h = g.hi end  -- regimes started below are above every id of this call
+    local added_all = 0
+    for _, key in ipairs(border) do
+      local b = buckets[key]
+      local added = 0
+      for from = 1, #b.args, 2000 do
+        added = added + redis.call('HSET', key, unpack(b.args, from, math.min(from + 1999, #b.args)))
+      end
+      redis.call('PEXPIRE', key, window)
+      if added > 0 then
+        added_all = added_all + added
+        local len = redis.call('HLEN', key)
+        if len == added then redis.call('SADD', m.key .. ':k', string.sub(key, #base + 2)) end  -- new
+        if len > INBOX_MAX and b.s > 0 then
+          inbox_regime(m, inbox_shift_for(math.max(len / 2 ^ b.s, inbox_slot_rate(m, added_all, g.lo, g.hi))), b.s)
+        elseif len == added and len < INBOX_SPARSE and b.s < 20 then
+          -- a new, nearly empty bucket: if the one before it also stayed nearly empty, the rate
+          -- is lower than the span assumed
+          local unit = 2 ^ b.s
+          local k = math.floor(b.t / unit) - 1
+          local plen = INBOX_SPARSE
+          if k * unit >= inbox_regime_start(m, b.t) then  -- the bucket before, in the same regime
+            plen = redis.call('HLEN', base .. ':b:' .. b.s .. ':' .. string.format('%x', k))
+          end
+          if plen < INBOX_SPARSE then
+            inbox_regime(m, inbox_shift_for(math.max(plen, 1) / unit), b.s)
+          end
+        end
+      end
+    end
+    if added_all > 0 or m.dirty then
+      m.n = m.n + added_all
+      local parts = {}
+      for i, r in ipairs(m.r) do parts[i] = string.format('%d:%d', r[1], r[2]) end
+      if not m.f or g.lo < m.f then m.f = g.lo end
+      redis.call('HSET', m.key, 'r', table.concat(parts, ','), 'n', m.n, 'h', string.format('%d', m.h),
+        'f', string.format('%d', m.f))
+      m.dirty = false
+    end
+    redis.call('PEXPIRE', m.key, window)
+    redis.call('PEXPIRE', m.key .. ':k', window)
+  end
+end

@@ -1,0 +1,229 @@
+"""The inbox's memory (issue #15): processed ids in small compact buckets, whole buckets expiring,
+the old zset read as a fallback, and the memory-budget warning (status and worker start)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import anyio
+import attrs
+import pytest
+import structlog
+
+from broker import DestinationSpec, Envelope, RedisBroker, connect, now_ms
+from broker.inspect import INBOX_BYTES_PER_ID, describe, inbox_memory
+from broker.keys import INBOX_SLOT_MS, compact_id, inbox_slot
+from broker.protocol import GroupPartition
+from framework import Service
+from framework.cli.status import over_budget
+from framework.settings import RuntimeSettings, inbox_memory_budget, parse_bytes
+from framework.testing import TEST_SETTINGS, ServiceHarness
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.anyio
+
+
+def uuid7_at(ms: int) -> str:
+    """A UUIDv7 text id carrying ``ms`` (random otherwise)."""
+    r = int.from_bytes(os.urandom(10), "big")
+    v = (ms << 80) | (0x7 << 76) | (((r >> 62) & 0xFFF) << 64) | (0b10 << 62) | (r & ((1 << 62) - 1))
+    h = f"{v:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+async def _view(broker: RedisBroker, name: str = "mem.q") -> GroupPartition:
+    spec = await broker.declare(DestinationSpec(name, "command"))
+    [view] = await broker.subscribe(spec, "g")
+    return view
+
+
+async def record(broker: RedisBroker, view: GroupPartition, ids: list[str]) -> None:
+    """Make ``ids`` final the way an ack does (ack.lua; the entry id is a stand-in)."""
+    for i in range(0, len(ids), 1000):
+        chunk = ids[i : i + 1000]
+        args = [view.group, "0", now_ms(), 1, len(chunk), 0, "0-1", *chunk, *map(compact_id, chunk)]
+        await broker.scripts["ack"](broker.redis, [view.stream, view.keys.inbox, view.keys.attempts], args)
+
+
+async def claim(broker: RedisBroker, view: GroupPartition, ids: list[str], *, window_ms: int = 0) -> list[int]:
+    """inbox_claim.lua on message ids alone (first deliveries)."""
+    args = [now_ms(), 60_000, len(ids), window_ms, len(ids), *ids, *map(compact_id, ids)]
+    return [int(x) for x in await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args)]
+
+
+async def bucket_keys(broker: RedisBroker, view: GroupPartition) -> list[bytes]:
+    return [k async for k in broker.redis.scan_iter(f"{view.keys.inbox}:*", count=1000)]
+
+
+async def test_compact_ids_follow_the_scripts_rule(broker: RedisBroker) -> None:
+    v7 = uuid7_at(now_ms())
+    assert compact_id(v7) == bytes.fromhex(v7.replace("-", "")) and len(compact_id(v7)) == 16
+    assert compact_id(v7.upper()) == compact_id(v7)
+    assert compact_id("m-1") == b"" and compact_id("0" * 36) == b""
+    assert compact_id("0190a3f0-0000-4000-8000-000000000000") == b""  # a UUIDv4: the zset
+    assert compact_id("0190a3f0-0000-7000-8000-00000000000g") == b""  # not hex
+    # commit_effects.lua converts the text id itself: the same record as ack.lua's Python-made one
+    view = await _view(broker)
+    await record(broker, view, [v7])
+    await broker.publish([Envelope(destination="mem.q", kind="command", type="t", body=b"{}", id=v7)])
+    [d] = await broker.read(view, "c", 10, 10)
+    assert await claim(broker, view, [v7]) == [1]
+    assert await broker.commit_effects(d, [("SET", f"{view.keys.inbox}x", "1")], [f"{view.keys.inbox}x"]) is False
+    other = uuid7_at(now_ms())
+    await broker.publish([Envelope(destination="mem.q", kind="command", type="t", body=b"{}", id=other)])
+    [d2] = await broker.read(view, "c", 10, 10)
+    assert await claim(broker, view, [other]) == [0]  # leased
+    assert await broker.commit_effects(d2, [], []) is True
+    assert await claim(broker, view, [other]) == [1]  # the Lua-made record, found by the Python-made form
+    assert await broker.redis.zscore(view.keys.inbox, other) is None  # its lease went with the commit
+
+
+async def test_a_remembered_id_costs_at_most_32_bytes_in_compact_buckets(broker: RedisBroker) -> None:
+    view = await _view(broker)
+    t = now_ms() // INBOX_SLOT_MS * INBOX_SLOT_MS
+    n = 20_000
+    # the slot before had as many ids: level 0 is sized from it (the steady state)
+    await broker.redis.hset(f"{view.keys.inbox}:{inbox_slot(t - INBOX_SLOT_MS)}", "n", n)
+    ids = [uuid7_at(t + i * 60_000 // n) for i in range(n)]
+    await record(broker, view, ids)
+    keys = await bucket_keys(broker, view)  # the buckets and the slot's info
+    used = 0
+    for key in keys:
+        if key.endswith(b":k"):  # the slot's list of its buckets (a set), a few bytes per bucket
+            assert await broker.redis.type(key) == b"set"
+        else:
+            assert await broker.redis.object("encoding", key) == b"listpack"
+            assert await broker.redis.hlen(key) < 128
+        used += int(await broker.redis.memory_usage(key, samples=0)) + 56  # + keyspace and expiry entries
+    assert used / n <= 32, f"{used / n:.1f} bytes per id"
+    assert used / n <= INBOX_BYTES_PER_ID
+    assert await claim(broker, view, ids[:500] + ids[-500:]) == [1] * 1000
+    assert await claim(broker, view, [uuid7_at(t + 5) for _ in range(200)]) == [0] * 200
+
+
+async def test_a_rate_the_slot_was_not_sized_for_starts_smaller_buckets_and_every_id_is_found(
+    broker: RedisBroker,
+) -> None:
+    view = await _view(broker)
+    t = now_ms() // INBOX_SLOT_MS * INBOX_SLOT_MS + 1000
+    await broker.redis.hset(f"{view.keys.inbox}:{inbox_slot(t - INBOX_SLOT_MS)}", "n", 100)  # a quiet slot before
+    ids = [uuid7_at(t + i // 5) for i in range(5_000)]  # then 5 ids per ms, acked 10 at a time
+    for i in range(0, len(ids), 10):
+        await record(broker, view, ids[i : i + 10])
+    await record(broker, view, ids[:1000])  # recorded again (an ack repeated): nothing changes
+    meta = f"{view.keys.inbox}:{inbox_slot(t)}"
+    regimes = (await broker.redis.hget(meta, "r")).decode().split(",")
+    assert len(regimes) >= 2, regimes  # sized for the quiet slot (one bucket), then much smaller ones
+    assert await broker.redis.hget(meta, "n") == b"5000"
+    buckets = [f"{view.keys.inbox}:{k.decode()}" for k in await broker.redis.smembers(f"{meta}:k")]
+    assert buckets and all(k.startswith(f"{view.keys.inbox}:b:") for k in buckets)
+    sizes = [await broker.redis.hlen(k) for k in buckets]
+    assert sum(sizes) == 5_000
+    compact = sum(n for n in sizes if n <= 128)  # hash-max-listpack-entries' default
+    assert compact >= 4_700, sizes  # only the bucket that overflowed before the switch is large
+    assert await claim(broker, view, ids) == [1] * len(ids)
+    assert (await inbox_memory(broker, view)).ids == 5_100  # with the quiet slot's 100
+    assert await claim(broker, view, [uuid7_at(t + 3) for _ in range(100)]) == [0] * 100
+
+
+async def test_buckets_expire_whole_after_the_window(broker: RedisBroker) -> None:
+    view = await _view(broker)
+    first = uuid7_at(now_ms())
+    assert await claim(broker, view, [first], window_ms=400) == [0]  # the window the group runs with
+    await record(broker, view, [first])
+    assert await claim(broker, view, [first]) == [1]
+    keys = await bucket_keys(broker, view)
+    ttls = [await broker.redis.pttl(k) for k in keys if not k.endswith(b":info")]
+    assert ttls and all(0 < t <= 400 for t in ttls)
+    await anyio.sleep(0.6)
+    assert await claim(broker, view, [first]) == [0]  # forgotten: the buckets expired
+    assert [k for k in await bucket_keys(broker, view) if not k.endswith(b":info")] == []
+
+
+async def test_old_zset_records_and_other_ids_are_still_duplicates(broker: RedisBroker) -> None:
+    view = await _view(broker)
+    legacy = uuid7_at(now_ms() - 3_600_000)
+    await broker.redis.zadd(view.keys.inbox, {legacy: now_ms() - 1000})  # written before the buckets
+    assert await claim(broker, view, [legacy]) == [1]
+    await record(broker, view, ["order-7"])  # not a UUIDv7/v8: kept in the zset as before
+    assert await broker.redis.zscore(view.keys.inbox, "order-7") is not None
+    assert await claim(broker, view, ["order-7"]) == [1]
+    assert await broker.trim_inbox(view, now_ms() + 1) == 2  # the zset is trimmed by the window, as before
+
+
+async def test_unsubscribe_deletes_the_buckets(broker: RedisBroker) -> None:
+    view = await _view(broker)
+    t = now_ms()
+    await record(broker, view, [uuid7_at(t) for _ in range(300)])
+    assert await bucket_keys(broker, view)
+    await broker.unsubscribe(view.spec, "g")
+    assert await bucket_keys(broker, view) == []
+
+
+def test_the_budget_setting_and_sizes() -> None:
+    assert RuntimeSettings().inbox_memory_budget == 256 * 2**20
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes("1024") == 1024
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+    os.environ["FRAMEWORK_INBOX_MEMORY_BUDGET"] = "1GiB"
+    try:
+        assert inbox_memory_budget() == 2**30 and RuntimeSettings().inbox_memory_budget == 2**30
+    finally:
+        del os.environ["FRAMEWORK_INBOX_MEMORY_BUDGET"]
+
+
+async def _busy_group(broker: RedisBroker, view: GroupPartition, per_slot: int) -> None:
+    """Slot counts of a group that recorded ``per_slot`` ids in each of the last complete slots."""
+    now = now_ms()
+    for back in range(1, 5):
+        await broker.redis.hset(f"{view.keys.inbox}:{inbox_slot(now - back * INBOX_SLOT_MS)}", "n", per_slot)
+
+
+async def test_status_flags_a_group_past_its_memory_budget(redis_url: str, namespace: str, broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("mem.busy", "command"))
+    [view] = await broker.subscribe(spec, "billing")
+    await broker.redis.hset(f"{view.keys.inbox}:info", "window", 7 * 24 * 3600 * 1000)
+    await _busy_group(broker, view, 400 * INBOX_SLOT_MS // 1000)  # 400 ids/s
+    [state] = await describe(broker, ["mem.busy"])
+    [group] = state.to_json()["groups"]
+    assert group["inbox_ids_per_s"] == pytest.approx(400, rel=0.01)
+    expected = 400 * 7 * 24 * 3600 * INBOX_BYTES_PER_ID  # bytes per id x rate x window
+    assert group["inbox_bytes"] == pytest.approx(expected, rel=0.01)
+    [line] = over_budget([state], 256 * 2**20)
+    assert "'billing'" in line and "'mem.busy'" in line and "400.0 ids/s" in line
+    assert over_budget([state], 2**40) == []
+    env = {**os.environ, "REDIS_URL": redis_url, "FRAMEWORK_NAMESPACE": namespace}
+    out = run_cli("status", "mem.busy", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "inbox" in out.stdout and "more than the 256.0 MiB budget" in out.stdout
+    quiet = run_cli("status", "mem.busy", "--inbox-budget", "1TiB", env=env)
+    assert "budget" not in quiet.stdout
+
+
+async def test_a_worker_warns_at_start_when_the_inbox_outgrows_its_budget(redis_url: str, namespace: str) -> None:
+    svc = Service("budget")
+
+    @svc.command("mem.work")
+    async def handle(cmd: dict) -> None:
+        pass
+
+    events: list[dict[str, Any]] = []
+    settings = attrs.evolve(TEST_SETTINGS, inbox_memory_budget=1 * 2**20, inbox_window=24 * 3600.0)
+    broker = await connect(redis_url, namespace=namespace)
+    try:
+        spec = await broker.declare(DestinationSpec("mem.work", "command"))
+        view = broker.group_partition(spec, 0, "budget")
+        await _busy_group(broker, view, 10 * INBOX_SLOT_MS // 1000)  # 10 ids/s x 1 day x 24 B = 19.8 MiB
+    finally:
+        await broker.close()
+    with structlog.testing.capture_logs() as logs:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as h:
+            await h.client.send("mem.work", {})
+            await h.run_until_idle()
+        events = [e for e in logs if "budget" in e["event"]]
+    assert len(events) == 1, logs
+    [warning] = events
+    assert warning["log_level"] == "warning" and warning["ids_per_s"] == pytest.approx(10, rel=0.01)
+    assert warning["inbox_mib"] > warning["budget_mib"] == 1.0
