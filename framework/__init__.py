@@ -13,8 +13,9 @@ Write services as decorated handlers, run them with ``framework run module:servi
 This module is the public surface: every name in ``__all__`` is imported from here, and only
 from here. The features a service needs beyond it are packages named for them:
 :mod:`framework.dead_letters` (list, redrive, purge), :mod:`framework.outbox` (messages that
-commit with your rows), :mod:`framework.sql` (engines for the outbox and SQL effects) and
-:mod:`framework.testing` (run services against a real server until idle). Every other module is
+commit with your rows), :mod:`framework.sql` (engines for the outbox and SQL effects),
+:mod:`framework.testing` (run services against a real server until idle) and
+:mod:`framework.observability` (traces, metrics, log context). Every other module is
 internal and may change without notice.
 """
 
@@ -23,6 +24,7 @@ from framework._payloads import PayloadError, converter
 from framework.client import Batch, Client, SyncClient
 from framework.context import Context
 from framework.middleware import CallNext, InboundMessage, Middleware, Outcome
+from framework.observability import enable_metrics, enable_tracing
 from framework.retries import HandlerTimeout, RetryAfter, RetryPolicy
 from framework.runtime import Runtime
 from framework.service import HandlerError, Queue, Service, Topic
@@ -59,4 +61,7 @@ __all__ = [
     "CallNext",
     "InboundMessage",
     "Outcome",
+    # observability: OpenTelemetry traces and metrics (or the OTEL_* environment variables)
+    "enable_tracing",
+    "enable_metrics",
 ]

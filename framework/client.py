@@ -18,6 +18,7 @@ from broker import COMMAND, EVENT, Broker, Envelope, connect
 from broker.codec import check_body_size
 from broker.codec import max_body_bytes as max_body_setting
 from framework._messages import Outgoing, build_envelope
+from framework.observability import hooks
 from framework.service import Queue, Topic
 
 __all__ = ["Batch", "Client", "SyncClient"]
@@ -101,6 +102,8 @@ class Client:
         for _, spec in items:  # Queue/Topic objects: declared once per broker; names are routed by publish
             if spec is not None:
                 await broker.ensure_declared(spec)
+        if hooks.ANY:  # a PRODUCER span per message, its context in the headers; the sent counter
+            return await hooks.publish(broker, [env for env, _ in items], dedup_window_ms)
         return await broker.publish([env for env, _ in items], dedup_window_ms=dedup_window_ms)
 
     async def send(

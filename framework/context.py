@@ -13,6 +13,7 @@ from broker.headers import CAUSATION_ID, CORRELATION_ID
 from framework._messages import Outgoing, build_envelope
 from framework.effects import RedisEffects, sql_transaction
 from framework.logs import get_logger
+from framework.observability import hooks
 from framework.service import Handler, Queue, Topic
 
 __all__ = ["Context"]
@@ -211,7 +212,10 @@ class Context:
         hdrs = {CORRELATION_ID: self.correlation_id, CAUSATION_ID: env.id}
         if headers:
             hdrs.update(headers)
-        if self._extra_headers:
+        message_id = derive_id(env.id, f"{self._handler.service}/{self._staged}")
+        if hooks.TRACING:  # a PRODUCER span, child of this attempt's CONSUMER span; context into hdrs
+            hooks.staged(hdrs, destination, message_id)
+        if self._extra_headers:  # middleware's headers win, a trace context too
             hdrs.update(self._extra_headers)
         if self._sql_done:
             log.warning(
@@ -221,7 +225,6 @@ class Context:
                 message_id=env.id,
                 handler=self._handler.label,
             )
-        message_id = derive_id(env.id, f"{self._handler.service}/{self._staged}")
         self._staged += 1
         out = build_envelope(
             destination,

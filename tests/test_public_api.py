@@ -48,6 +48,18 @@ PUBLIC = {
         "CallNext",
         "InboundMessage",
         "Outcome",
+        "enable_tracing",
+        "enable_metrics",
+    },
+    "framework.observability": {
+        "configure_from_env",
+        "disable_metrics",
+        "disable_tracing",
+        "enable_metrics",
+        "enable_tracing",
+        "metrics_enabled",
+        "shutdown",
+        "tracing_enabled",
     },
     "framework.testing": {
         "TEST_SETTINGS",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -21,6 +22,9 @@ __all__ = [
     "duration",
     "json_argument",
     "log_level",
+    "metrics_address",
+    "metrics_options",
+    "port",
     "positive_duration",
     "positive_int",
     "positive_rate",
@@ -38,6 +42,47 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def port(text: str) -> int:
+    """A TCP port number, 1 to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number (1-65535), got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port number is 1 to 65535, got {value}")
+    return value
+
+
+def metrics_options(p: argparse.ArgumentParser) -> None:
+    """Add ``--metrics-port`` and ``--metrics-host`` (the Prometheus endpoint; see :func:`metrics_address`)."""
+    p.add_argument(
+        "--metrics-port",
+        type=port,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: $FRAMEWORK_METRICS_PORT, else none)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=None,
+        metavar="HOST",
+        help="address the metrics endpoint listens on (default: $FRAMEWORK_METRICS_HOST, else 127.0.0.1)",
+    )
+
+
+def metrics_address(args: argparse.Namespace) -> tuple[int | None, str]:
+    """(port or None, host) of the Prometheus endpoint: the options, else ``FRAMEWORK_METRICS_PORT``
+    and ``FRAMEWORK_METRICS_HOST``; ValueError in one line for a bad port in the environment."""
+    value = args.metrics_port
+    if value is None and os.environ.get("FRAMEWORK_METRICS_PORT", "").strip():
+        try:
+            value = port(os.environ["FRAMEWORK_METRICS_PORT"].strip())
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"FRAMEWORK_METRICS_PORT: {exc}") from None
+    host = args.metrics_host or os.environ.get("FRAMEWORK_METRICS_HOST", "").strip() or "127.0.0.1"
+    return value, host
 
 
 def duration(text: str) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from framework.cli.args import duration, positive_int
+from framework.cli.args import duration, metrics_address, metrics_options, positive_int
 from framework.cli.common import UsageError, connection_options, print_json
 
 __all__ = ["register"]
@@ -100,10 +100,19 @@ def relay_command(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
     from broker import connect
+    from framework import observability
     from framework.logs import get_logger
     from framework.outbox import OutboxRelay
 
     log = get_logger("framework.cli")
+    try:
+        metrics_port, metrics_host = metrics_address(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:  # tracing and metrics as the OTEL_* variables say; --metrics-port serves Prometheus
+        observability.configure_from_env("outbox-relay", metrics_port=metrics_port, metrics_host=metrics_host)
+    except OSError as exc:
+        raise _Fail(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc.strerror or exc}") from None
 
     async def main() -> int:
         try:
@@ -143,7 +152,10 @@ def relay_command(args: argparse.Namespace) -> int:
         finally:
             await engine.dispose()
 
-    return anyio.run(main)
+    try:
+        return anyio.run(main)
+    finally:
+        observability.shutdown()  # spans and metrics still buffered go out now
 
 
 @_guarded
@@ -329,6 +341,7 @@ def register(sub: Any) -> None:
         help="shards (of 64) one PostgreSQL batch claims, leaving others to other relays (default 16)",
     )
     p.add_argument("--once", action="store_true", help="publish what is waiting now, then exit")
+    metrics_options(p)
     connection_options(p)
     _logging_options(p)
     p.set_defaults(func=relay_command)

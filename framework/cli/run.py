@@ -2,6 +2,8 @@
 
 The first signal stops the runtime gracefully (in-flight handlers finish within the shutdown
 timeout); a second one exits at once, leaving unacknowledged messages to be redelivered.
+Tracing and metrics follow the ``OTEL_*`` environment variables (see
+:func:`framework.observability.configure_from_env`); ``--metrics-port`` serves Prometheus.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import anyio
 
-from framework.cli.args import positive_duration, positive_int
+from framework.cli.args import metrics_address, metrics_options, positive_duration, positive_int
 from framework.cli.common import UsageError, connection_options
 from framework.logs import get_logger
 from framework.service import HandlerError, Service
@@ -102,6 +104,10 @@ def run_services(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda n, _frame: early.append(n))
     services = load_services(args.targets)
+    failed = _start_observability(args, services[0].name)
+    if failed is not None:
+        print(f"framework run: {failed}", file=sys.stderr)
+        return 1
     settings = RuntimeSettings(
         concurrency=args.concurrency,
         prefetch=args.prefetch,
@@ -136,9 +142,34 @@ def run_services(args: argparse.Namespace) -> int:
             await runtime.run()
             tg.cancel_scope.cancel()
 
-    anyio.run(main, backend_options={"use_uvloop": _use_uvloop()})
+    try:
+        anyio.run(main, backend_options={"use_uvloop": _use_uvloop()})
+    finally:
+        from framework import observability
+
+        observability.shutdown()  # spans and metrics still buffered go out now
     _abandon_running_threads(log)
     return 0
+
+
+def _start_observability(args: argparse.Namespace, service_name: str) -> str | None:
+    """Turn tracing and metrics on as the environment and ``--metrics-port`` say; the one-line
+    error when the metrics endpoint cannot listen (UsageError for a bad port), else None."""
+    from framework import observability
+
+    try:
+        metrics_port, metrics_host = metrics_address(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        observability.configure_from_env(service_name, metrics_port=metrics_port, metrics_host=metrics_host)
+    except OSError as exc:
+        import errno
+
+        if exc.errno == errno.EADDRINUSE:
+            return f"metrics port {metrics_port} on {metrics_host} is in use (--metrics-port / FRAMEWORK_METRICS_PORT)"
+        return f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc.strerror or exc}"
+    return None
 
 
 def _abandon_running_threads(log: Any) -> None:
@@ -239,5 +270,6 @@ def register(sub: Any) -> None:
         metavar="DATABASE_URL",
         help="also run an outbox relay in this process (default: $DATABASE_URL, else $FRAMEWORK_HOME/outbox.db)",
     )
+    metrics_options(run)
     connection_options(run)
     run.set_defaults(func=run_services)

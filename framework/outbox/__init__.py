@@ -36,6 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from broker import COMMAND, EVENT, DestinationSpec, Envelope, Kind, validate_name
 from broker.codec import check_body_size, max_body_bytes
 from framework._messages import Outgoing, build_envelope
+from framework.observability import hooks
 from framework.outbox.relay import OutboxRelay
 from framework.outbox.schema import (
     DIALECTS,
@@ -137,9 +138,12 @@ async def stage(conn: AsyncConnection, messages: Sequence[Envelope | Outgoing]) 
     rows = []
     keys: set[str] = set()
     limit = max_body_bytes()
+    stamp = hooks.TRACING  # the writer's trace context goes into the row: the relay's publish continues it
     for item in messages:
         env, spec = (item, None) if isinstance(item, Envelope) else item
         check_body_size(env, limit)
+        if stamp:
+            hooks.stamp_outbox((env,))
         rows.append(_row(env, spec))
         if env.key is not None:
             keys.add(env.key)

@@ -41,6 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from broker import ConfigurationError, DestinationSpec, Envelope, RedisBroker, validate_name
 from framework.logs import get_logger
+from framework.observability import hooks
 from framework.outbox import _statements as statements
 from framework.outbox.schema import NOTIFY_CHANNEL
 from framework.sql import libpq_url, redact_url
@@ -202,7 +203,10 @@ class OutboxRelay:
                 )
             seqs, envelopes = kept_seqs, kept
         if envelopes:
-            await self.broker.publish(envelopes)
+            if hooks.ANY:  # PRODUCER spans, children of the contexts stored with the rows; the sent counter
+                await hooks.relay_publish(self.broker, envelopes)
+            else:
+                await self.broker.publish(envelopes)
             now = datetime.now(UTC)
             if self.postgres:
                 raw = (await conn.get_raw_connection()).driver_connection
@@ -291,6 +295,8 @@ class OutboxRelay:
             async with anyio.create_task_group() as tg:
                 if self.postgres:
                     await tg.start(self._listen)
+                if hooks.METRICS:  # the backlog and the age of its oldest row, read every few seconds
+                    tg.start_soon(hooks.track_relay(), self)
                 task_status.started()
                 async with anyio.create_task_group() as lanes:
                     for lane in range(self.concurrency):

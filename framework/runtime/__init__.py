@@ -32,6 +32,7 @@ from framework._messages import Outgoing
 from framework.group_commit import GroupCommits
 from framework.logs import get_logger
 from framework.middleware import Middleware
+from framework.observability import hooks
 from framework.runtime.consumer import Consumer
 from framework.runtime.identity import ConsumerIdentity
 from framework.runtime.lanes import LanePool
@@ -113,6 +114,10 @@ class Runtime:
             for service in self.services:
                 for handler in service.handlers:
                     views = await self.broker.subscribe(handler.spec, service.name, handler.start)
+                    middleware = self.middleware + tuple(service.middleware_chain)
+                    observer = hooks.observer(handler) if hooks.ANY else None  # off: no chain, no cost
+                    if observer is not None:
+                        middleware = (observer, *middleware)  # outermost: user middleware runs in its span
                     wiring = Wiring(
                         broker=self.broker,
                         settings=self.settings,
@@ -121,8 +126,9 @@ class Runtime:
                         publish=self.publish_outgoing,
                         handler=handler,
                         scope=len(self.consumers),
-                        middleware=self.middleware + tuple(service.middleware_chain),
+                        middleware=middleware,
                         thread_limiter=self.thread_limiter,
+                        observer=observer,
                     )
                     self.consumers.append(Consumer(wiring, views))
             log.info(
@@ -158,6 +164,8 @@ class Runtime:
             tg.start_soon(self.lanes.run)
             for consumer in self.consumers:
                 tg.start_soon(consumer.run)
+            if hooks.METRICS:  # lag, pending and dead letters, read every few seconds
+                tg.start_soon(hooks.track_runtime(self), self)
             if engine is not None:
                 from framework.outbox import OutboxRelay
 
@@ -259,7 +267,10 @@ class Runtime:
         for _, spec in outgoing:
             if spec is not None:
                 await self.broker.ensure_declared(spec)  # cached by the broker: no round trip once declared
-        await self.broker.publish([env for env, _ in outgoing])
+        envelopes = [env for env, _ in outgoing]
+        await self.broker.publish(envelopes)  # their PRODUCER spans were made when they were staged
+        if hooks.METRICS:
+            hooks.count_sent(envelopes)
 
     # -- observation, mostly for tests and `framework.testing` ---------------------------------------------
 

@@ -13,9 +13,12 @@ import time
 from typing import Any
 
 from broker import Delivery
+from broker.headers import DLQ_REASON
 from framework._payloads import PayloadError
 from framework.dead_letters.reasons import poison_reason
 from framework.inbox import check_inbox
+from framework.logs import debug_enabled
+from framework.observability import logcontext
 from framework.runtime.lanes import Worker
 from framework.runtime.ledger import Ledger
 from framework.runtime.settle import Settlement
@@ -37,6 +40,10 @@ class Admission:
         self.handler = wiring.handler
         self.lanes = wiring.lanes
         self.scope = wiring.scope
+        self.observer = wiring.observer  # None unless tracing or metrics are on
+        self.debug = debug_enabled()  # a line per message received (and settled, see the settle stage)
+        self.bodies = logcontext.body_logging() if self.debug else None  # field names to redact
+        self.watching = self.observer is not None or self.debug
 
     async def admit(self, ledger: Ledger, deliveries: list[Delivery], channel: Any = None) -> None:
         """Hold fetched deliveries, settle the ones that cannot run, queue the rest on lanes.
@@ -55,12 +62,17 @@ class Admission:
         gates = lanes.gates
         self.wiring.stats.fetched += len(deliveries)
         ledger.hold(deliveries, time.monotonic())
+        if self.debug:
+            self._log_received(deliveries)
         runnable = [d for d in deliveries if d.envelope is not None]
         poison = [
             (d, poison_reason(handler, d, f"undecodable message: {d.error}")) for d in deliveries if d.envelope is None
         ]
         if handler.inbox and runnable:
+            checked = runnable
             runnable = await check_inbox(self.wiring, ledger, runnable, channel)
+            if self.watching and len(runnable) < len(checked):
+                self._dropped_duplicates(ledger, checked, runnable)
         for d in runnable:
             env = d.envelope
             assert env is not None
@@ -87,7 +99,7 @@ class Admission:
                 else:
                     works.append((d, payload))
         for d, reason in poison:
-            await self.settle.dead_letter(ledger, d, reason)
+            await self._dead_letter(ledger, d, reason)
         if redelivered:
             await self.sort_redeliveries(ledger, redelivered, by_lane, keyless, isolated)
         lanes.submit(self.worker, ledger, by_lane, keyless, isolated, scope)
@@ -137,7 +149,7 @@ class Admission:
                     assert d.envelope is not None
                     attempt = d.envelope.attempt + 1
                     if attempt > max_attempts:
-                        await self.settle.dead_letter(ledger, d, self._crash_loop_reason(d, attempt))
+                        await self._dead_letter(ledger, d, self._crash_loop_reason(d, attempt))
                         continue
                     d.delivery_count = 2  # so d.attempt is this run's attempt number
                 else:
@@ -176,10 +188,52 @@ class Admission:
             return False
         attempt = d.envelope.attempt + runs
         if attempt > self.handler.retry.max_attempts:
-            await self.settle.dead_letter(ledger, d, self._crash_loop_reason(d, attempt))
+            await self._dead_letter(ledger, d, self._crash_loop_reason(d, attempt))
             return False
         d.delivery_count = attempt - d.envelope.attempt + 1
         return True
+
+    async def _dead_letter(self, ledger: Ledger, d: Delivery, reason: dict[str, str]) -> None:
+        """Dead-letter a message that cannot run (no handler attempt): on its trace too."""
+        await self.settle.dead_letter(ledger, d, reason)
+        if self.observer is not None:
+            self.observer.dropped(d, "dead_letter", reason.get(DLQ_REASON))
+
+    def _dropped_duplicates(self, ledger: Ledger, checked: list[Delivery], runnable: list[Delivery]) -> None:
+        """Report the Redis inbox's duplicates among ``checked`` (acked, never run): a short span
+        each, a debug line each. Entries leased to another consumer were forgotten, duplicates
+        stay held until their ack is sent: that tells them apart."""
+        kept = {id(d) for d in runnable}
+        held = ledger.held
+        for d in checked:
+            if id(d) in kept or d.entry_id not in held:
+                continue
+            if self.observer is not None:
+                self.observer.dropped(d, "duplicate")
+            if self.debug:
+                self.settle.log_settled(d, "duplicate", d.attempt)
+
+    def _log_received(self, deliveries: list[Delivery]) -> None:
+        """The debug line per message received (its body only if FRAMEWORK_LOG_BODIES asks, redacted)."""
+        log = self.wiring.log
+        bodies = self.bodies
+        for d in deliveries:
+            env = d.envelope
+            if env is None:
+                log.debug("message received", entry_id=d.entry_id, undecodable=d.error, partition=d.source.partition)
+                continue
+            fields = {"body": logcontext.loggable_body(env.body, bodies)} if bodies is not None else {}
+            log.debug(
+                "message received",
+                message_id=env.id,
+                type=env.type,
+                key=env.key,
+                partition=d.source.partition,
+                attempt=d.attempt,
+                delivery_count=d.delivery_count,
+                size=len(env.body),
+                **fields,
+            )
 
     def _crash_loop_reason(self, d: Delivery, attempt: int) -> dict[str, str]:
         """The dead-letter reason of a message redelivered past ``max_attempts`` (``attempt`` is the next)."""

@@ -20,6 +20,7 @@ import anyio
 
 from broker import GroupPartition
 from framework.logs import get_logger
+from framework.observability import logcontext
 from framework.runtime.admit import Admission, Work
 from framework.runtime.attempt import Attempts
 from framework.runtime.fetch import Fetcher
@@ -119,6 +120,7 @@ class Consumer:
         slot = Slot()
         ledger.slots.add(slot)
         started = time.perf_counter()
+        context = logcontext.enter(slot, self.handler)  # log lines name the slot's current run
         try:
             more = True
             while more:
@@ -147,6 +149,7 @@ class Consumer:
             slot.delivery = None
             ledger.slots.discard(slot)
             self.stats.handler_seconds += time.perf_counter() - started
+            logcontext.leave(context)
         await self.settle.finished(ledger, done)
 
     async def _process_from(self, ledger: Ledger, batch: Batch, slot: Slot, done: Finished) -> bool:

@@ -22,7 +22,9 @@ import anyio
 from broker import Delivery, EffectsFailed, now_ms
 from framework.context import Context
 from framework.dead_letters.reasons import base_reason, exception_reason
+from framework.logs import debug_enabled
 from framework.middleware import Outcome
+from framework.observability import hooks
 from framework.runtime.connectivity import healthy
 from framework.runtime.ledger import Ledger
 from framework.runtime.supervisor import is_connection_error
@@ -36,12 +38,13 @@ SETTLED: Any = object()  # an attempt whose message is settled already (effects 
 class Finished:
     """Runs that finished in a lane and wait to be settled: published, then acknowledged."""
 
-    __slots__ = ("deliveries", "duplicates", "outgoing", "since")
+    __slots__ = ("deliveries", "duplicate_ids", "duplicates", "outgoing", "since")
 
     def __init__(self) -> None:
         self.deliveries: list[Delivery] = []
         self.outgoing: list[Any] = []
         self.duplicates = 0
+        self.duplicate_ids: list[int] = []  # id() of the duplicate deliveries (for the debug lines)
         self.since = 0.0
 
     def add(self, d: Delivery, ctx: Context, now: float) -> None:
@@ -53,6 +56,7 @@ class Finished:
             self.outgoing += ctx.outgoing
         if ctx.duplicate:
             self.duplicates += 1
+            self.duplicate_ids.append(id(d))
 
 
 class Settlement:
@@ -64,6 +68,13 @@ class Settlement:
         self.stats = wiring.stats
         self.handler = wiring.handler
         self.log = wiring.log
+        self.debug = debug_enabled()  # a line per message settled
+
+    def log_settled(self, d: Delivery, outcome: str, attempt: int | None = None, **fields: Any) -> None:
+        """The debug line per message settled, with its outcome (and its last attempt, when known)."""
+        if attempt is not None:
+            fields["attempt"] = attempt
+        self.log.debug("message settled", message_id=d.message_id, outcome=outcome, **fields)
 
     # -- success ---------------------------------------------------------------------------------
 
@@ -72,7 +83,10 @@ class Settlement:
         if not done.deliveries:
             return
         deliveries, outgoing, duplicates = done.deliveries, done.outgoing, done.duplicates
+        duplicate_ids = done.duplicate_ids
         done.deliveries, done.outgoing, done.duplicates = [], [], 0
+        if duplicate_ids:
+            done.duplicate_ids = []
         if outgoing:
             try:
                 await self.wiring.publish(outgoing)
@@ -84,6 +98,9 @@ class Settlement:
                 return
         self.stats.processed += len(deliveries) - duplicates
         ledger.queue_acks(deliveries)  # processed: room to fetch more while the ack is on its way
+        if self.debug:
+            for d in deliveries:
+                self.log_settled(d, "duplicate" if id(d) in duplicate_ids else "success")
 
     async def at_once(self, ledger: Ledger, d: Delivery, ctx: Context) -> None:
         """Publish and acknowledge one successful run now (a suspect: see the admit stage)."""
@@ -93,6 +110,8 @@ class Settlement:
         if not ctx.duplicate:  # a duplicate was counted when it was found
             self.stats.processed += 1
         ledger.forget([d])
+        if self.debug:
+            self.log_settled(d, "duplicate" if ctx.duplicate else "success", ctx.attempt)
 
     async def commit_effects(self, ledger: Ledger, d: Delivery, ctx: Context, attempt: int) -> Outcome:
         """Commit a handler's Redis writes, outgoing messages, inbox mark and ack in one step.
@@ -129,10 +148,14 @@ class Settlement:
             if applied:
                 self.stats.processed += 1
                 outcome = Outcome("success", attempt)
+                if outgoing and hooks.METRICS:  # published by the same script
+                    hooks.count_sent(outgoing)
             else:
                 self.stats.duplicates += 1
                 outcome = Outcome("duplicate", attempt)
         ledger.forget([d])
+        if self.debug:
+            self.log_settled(d, outcome.status, attempt)
         return outcome
 
     # -- failure ---------------------------------------------------------------------------------
@@ -144,6 +167,8 @@ class Settlement:
             if outcome.status == "retry":
                 await self.broker.retry_later(d, now_ms() + int(outcome.delay * 1000), attempt=outcome.attempt)
                 self.stats.retried += 1
+                if self.debug:
+                    self.log_settled(d, "retry", outcome.attempt, delay=outcome.delay)
             else:
                 exc = outcome.exception or RuntimeError(outcome.reason or "dead-lettered by middleware")
                 reason = exception_reason(
@@ -170,6 +195,8 @@ class Settlement:
                 self.log.error(
                     "message dead-lettered", message_id=d.message_id, reason=reason.get("dlq-reason"), dlq_entry=entry
                 )
+                if self.debug:
+                    self.log_settled(d, "dead_letter", int(reason.get("dlq-attempts") or d.attempt))
         if forget:
             ledger.forget([d])
 

@@ -36,7 +36,9 @@ class Wiring:
     """One consumer's view of the runtime.
 
     ``scope`` tells this consumer's keys apart in the shared lanes; ``middleware`` is the chain
-    around the handler (the runtime's, then the service's), empty for none.
+    around the handler (the runtime's, then the service's), empty for none; ``observer`` traces
+    and measures the handler's messages when tracing or metrics are on (outermost in the chain;
+    the admit stage reports messages dropped before any handler runs to it), None when off.
     """
 
     broker: RedisBroker
@@ -49,6 +51,7 @@ class Wiring:
     scope: int = 0
     middleware: tuple[Middleware, ...] = ()
     thread_limiter: anyio.CapacityLimiter | None = None
+    observer: Any = None  # framework.observability.consumer.Observer when tracing or metrics are on
     log: Any = attrs.field(
         default=attrs.Factory(
             lambda self: _log.bind(
