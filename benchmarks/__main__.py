@@ -7,6 +7,9 @@ Server: ``$REDIS_URL`` if set, else an embedded Valkey (AOF on) started for the 
 Each benchmark works in a namespace of its own and deletes its keys; nothing is ever flushed.
 Throughput and latency trials are interleaved (raw, commands with inbox on and off, events,
 latency, then again), so a change in background load hits the framework and its ceiling alike.
+``observability`` (:mod:`benchmarks.tracing_bench`) runs the commands drain and the latency trial
+with tracing off, on at 100% and 1%, and metrics on, in every round; with
+``BENCH_BASELINE_PYTHONPATH=<checkout of the code before>`` also against that code.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import machine, procs, runtime_bench
+from benchmarks import machine, procs, runtime_bench, tracing_bench
 
 __all__ = ["BENCHMARKS", "Sizes", "main"]
 
@@ -35,7 +38,18 @@ SQL_FRAMEWORK_KINDS = {  # the framework kinds the sql benchmark runs, and how t
     "framework": "Redis + SQL inbox (default)",
     "framework-sqlinbox": 'inbox="sql"',
 }
-BENCHMARKS = ("raw", "commands", "events", "latency", "memory", "outbox", "spark", "recovery", "sql")
+BENCHMARKS = (
+    "raw",
+    "commands",
+    "events",
+    "latency",
+    "observability",
+    "memory",
+    "outbox",
+    "spark",
+    "recovery",
+    "sql",
+)
 _NEEDS_RAW = {"commands", "events", "memory"}  # their ratios need the ceiling of the same run
 
 THROUGHPUT_TARGET = 0.25  # of the raw ceiling, one worker process
@@ -199,6 +213,24 @@ class Runner:
                     round_,
                 )
 
+    def _observability_round(self, round_: int) -> None:
+        """The commands drain, then the latency trial, in every observability mode (order rotated by round)."""
+        s, p = self.sizes, _progress
+        for mode in tracing_bench.round_order(round_):
+            self._trial(
+                f"observability:{mode}",
+                lambda mode=mode: tracing_bench.drain_trial(self.url, s.messages, mode, progress=p),
+                round_,
+            )
+        for mode in tracing_bench.round_order(round_):
+            self._trial(
+                f"observability-latency:{mode}",
+                lambda mode=mode: tracing_bench.latency_trial(
+                    self.url, mode, rate=s.latency_rate, seconds=s.latency_seconds, progress=p
+                ),
+                round_,
+            )
+
     def _run(self, sql_db: str | None) -> None:
         s, url, p = self.sizes, self.url, _progress
         for r in range(self.repeats):
@@ -220,6 +252,8 @@ class Runner:
                 kw = {"rate": s.latency_rate, "seconds": s.latency_seconds, "progress": p}
                 self._trial("latency:raw", lambda kw=kw: runtime_bench.raw_latency(url, **kw), r)
                 self._trial("latency:framework", lambda kw=kw: runtime_bench.latency(url, **kw), r)
+            if "observability" in self.selected:
+                self._observability_round(r)
             if "recovery" in self.selected:
                 from benchmarks import recovery_bench
 
@@ -349,6 +383,7 @@ class Runner:
         costs = [1 - t["msgs_per_s"] / off[t["round"]]["msgs_per_s"] for t in on if t.get("round") in off]
         if costs:
             out["inbox_cost"] = {"paired": stats(costs)}
+        out.update(tracing_bench.summary(self.trials))
         return out
 
     def rows(self) -> list[Row]:
@@ -450,6 +485,8 @@ class Runner:
                     fw["p99_ms"]["median"] < LATENCY_P99_TARGET_MS,
                 )
             )
+        if "observability" in self.selected:
+            rows += [Row(**row) for row in tracing_bench.rows(sm, self.errors, self.sizes.latency_rate)]
         if not not_run("memory", "memory") and (big := sm.get("memory:big")) and (small := sm.get("memory:small")):
             growth = big["peak_rss_mib"]["median"] / small["peak_rss_mib"]["median"]
             rows.append(

@@ -24,7 +24,7 @@ import functools
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 FILL_BATCH = 5000  # messages per pipeline when filling a stream
+FRAMEWORK = ("-m", "framework")  # how a worker starts: python -m framework run ...
 Progress = Callable[[str], None]
 
 
@@ -132,11 +133,24 @@ def raw_ceiling(url: str, n: int, *, delete: bool = False, progress: Progress = 
 # -- one framework worker ---------------------------------------------------------------------------------
 
 
-def _worker(target: str, url: str, namespace: str, *, expect: int, handlers: int = 1) -> Any:
-    """A context manager running ``python -m framework run TARGET`` as one worker process."""
+def _worker(
+    target: str,
+    url: str,
+    namespace: str,
+    *,
+    expect: int,
+    handlers: int = 1,
+    env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+    launcher: Sequence[str] = FRAMEWORK,
+) -> Any:
+    """A context manager running ``python -m framework run TARGET`` as one worker process.
+
+    ``env`` is added to the worker's environment, ``extra_args`` to its command line;
+    ``launcher`` replaces ``-m framework`` (the observability benchmark's baseline checkout).
+    """
     args = [
-        "-m",
-        "framework",
+        *launcher,
         "run",
         f"benchmarks.bench_services:{target}",
         "--redis-url",
@@ -147,14 +161,16 @@ def _worker(target: str, url: str, namespace: str, *, expect: int, handlers: int
         "bench-worker",
         "--log-format",
         "json",
+        *extra_args,
     ]
-    env = {
+    full_env = {
+        **(env or {}),
         "BENCH_REDIS_URL": url,
         "BENCH_NAMESPACE": namespace,
         "BENCH_EXPECT": str(expect),
         "BENCH_HANDLERS": str(handlers),
     }
-    return child(f"worker-{target}", args, env)
+    return child(f"worker-{target}", args, full_env)
 
 
 def _group_rows(client: redis.Redis, stream: str) -> list[dict[str, Any]]:
@@ -232,10 +248,20 @@ def _drain(
     label: str,
     progress: Progress,
     sample_rss: bool = True,
+    env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+    launcher: Sequence[str] = FRAMEWORK,
+    on_settled: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """Drain with one worker; ``on_settled`` runs once all is acknowledged, before the worker stops
+    (outside the timed span), and its figures join the result."""
     client = _raw_client(url)
+    extra: dict[str, Any] = {}
+    worker_cm = _worker(
+        target, url, namespace, expect=n, handlers=handlers, env=env, extra_args=extra_args, launcher=launcher
+    )
     try:
-        with _worker(target, url, namespace, expect=n, handlers=handlers) as worker, RssSampler(worker.pid) as rss:
+        with worker_cm as worker, RssSampler(worker.pid) as rss:
             summary = _wait_done(
                 client,
                 namespace,
@@ -247,6 +273,8 @@ def _drain(
                 progress=progress,
             )
             settled_ns = _wait_settled(client, stream, handlers)
+            if on_settled is not None:
+                extra = on_settled()
             status = worker.stop()
         if status not in (0, None):
             raise RuntimeError(f"{label}: the worker exited with status {status} on SIGTERM:\n{worker.log_tail()}")
@@ -254,17 +282,34 @@ def _drain(
         return {
             "seconds": seconds,
             "handled_s": (summary["last_ns"] - summary["first_ns"]) / 1e9,
+            "first_ns": summary["first_ns"],  # the timed span, Unix ns
+            "settled_ns": settled_ns,
             "peak_rss_mib": rss.peak_kib / 1024 if sample_rss else None,
             "halves_rss_mib": rss.halves_mib(seconds) if sample_rss else None,
+            **extra,
         }
     finally:
         client.close()
 
 
-def commands(url: str, n: int, *, inbox: bool = True, progress: Progress = _quiet) -> dict[str, Any]:
-    """Send ``n`` commands with the client, then drain them with one worker; msgs/s of the drain."""
+def commands(
+    url: str,
+    n: int,
+    *,
+    inbox: bool = True,
+    progress: Progress = _quiet,
+    label: str | None = None,
+    env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+    launcher: Sequence[str] = FRAMEWORK,
+    on_settled: Callable[[], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Send ``n`` commands with the client, then drain them with one worker; msgs/s of the drain.
+
+    ``env``, ``extra_args``, ``launcher`` and ``on_settled`` go to the worker (see :func:`_worker`, :func:`_drain`).
+    """
     namespace = unique_namespace("bench")
-    label = f"commands (inbox {'on' if inbox else 'off'})"
+    label = label or f"commands (inbox {'on' if inbox else 'off'})"
     try:
         publish_rate = anyio.run(functools.partial(_publish_all, url, namespace, COMMANDS, n, events=False))
         progress(f"{label}: sent {n:,} commands at {publish_rate:,.0f}/s; draining with one worker")
@@ -278,6 +323,10 @@ def commands(url: str, n: int, *, inbox: bool = True, progress: Progress = _quie
             stream=stream,
             label=label,
             progress=progress,
+            env=env,
+            extra_args=extra_args,
+            launcher=launcher,
+            on_settled=on_settled,
         )
         return {
             "n": n,
@@ -374,9 +423,20 @@ def _run_producer(
 
 
 def latency(
-    url: str, *, rate: float = 500.0, seconds: float = 10.0, warmup: float = 1.0, progress: Progress = _quiet
+    url: str,
+    *,
+    rate: float = 500.0,
+    seconds: float = 10.0,
+    warmup: float = 1.0,
+    progress: Progress = _quiet,
+    env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+    launcher: Sequence[str] = FRAMEWORK,
 ) -> dict[str, Any]:
-    """Commands at a fixed ``rate`` from a producer process; latency from publish to handler start."""
+    """Commands at a fixed ``rate`` from a producer process; latency from publish to handler start.
+
+    ``env``, ``extra_args`` and ``launcher`` go to the worker (see :func:`_worker`).
+    """
     namespace = unique_namespace("bench")
     skip = int(rate * warmup)
     count = skip + int(rate * seconds)
@@ -384,7 +444,8 @@ def latency(
     try:
         anyio.run(functools.partial(_declare, url, namespace, LATENCY.spec()))
         stream = f"{namespace}:{{{LATENCY.name}:0}}"
-        with _worker("latency", url, namespace, expect=count) as worker:
+        worker_cm = _worker("latency", url, namespace, expect=count, env=env, extra_args=extra_args, launcher=launcher)
+        with worker_cm as worker:
             _wait_consumer(client, stream, worker)
             progress(f"latency: producing {count:,} commands at {rate:,.0f}/s ({warmup:.0f}s warm-up not counted)")
             achieved = _run_producer("framework", url, namespace, rate, count, worker, seconds + warmup)
