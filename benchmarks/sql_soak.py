@@ -29,9 +29,10 @@ Pass criteria (printed at the end): lag never above 30 s of traffic; drained wit
 load's end; every good message's row present exactly once (nothing lost, nothing applied twice);
 no row of a failing message; every failing and malformed message in the dead-letter stream (by
 message id) and no good one; worker ``w0``'s RSS and the server's ``used_memory`` apart from the
-group's Redis inbox flat: median of the load's last quarter at most 1.10x the first quarter's (the
-inbox keeps every processed id for its window by design; it is judged by its bytes per remembered
-id instead, at most 32). ``--kind framework-sqlinbox`` runs ``inbox="sql"`` (no Redis inbox).
+group's Redis inbox and dead-letter stream flat: median of the load's last quarter at most 1.10x the
+first quarter's (the inbox keeps every processed id for its window and the DLQ every dead letter
+until purged, by design; the inbox is judged by its bytes per remembered id instead, at most 32).
+``--kind framework-sqlinbox`` runs ``inbox="sql"`` (no Redis inbox).
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ class Soak:
         self.kills = 0
         self.resets = 0
         self.samples: list[dict[str, float]] = []  # one per second: t, lag, rss_w0, used_memory
-        self.memory: list[tuple[int, int, int]] = []  # one per minute: used_memory, inbox bytes, inbox ids
+        self.memory: list[tuple[int, int, int, int]] = []  # per minute: used_memory, inbox bytes, inbox ids, DLQ bytes
 
     def start(self, i: int) -> Child:
         """Start worker ``w<i>``."""
@@ -268,7 +269,8 @@ class Soak:
         dead = int(self.mon.xlen(self.dlq))
         processed = rows + dead
         inbox, ids = self.inbox_usage()
-        self.memory.append((used, inbox, ids))
+        dlq_bytes = int(self.mon.memory_usage(self.dlq, samples=0) or 0)
+        self.memory.append((used, inbox, ids, dlq_bytes))
         rss = " ".join(f"{(rss_kib(w.pid) or 0) / 1024:.0f}" for w in self.workers)
         sent = ledger.sent
         print(
@@ -367,10 +369,11 @@ def _soak(url: str, db_url: str, rate: float, options: Options, progress: Progre
         duplicates = int(dup[0]) if dup else 0
         max_lag_s = max((s["lag_s"] for s in soak.samples), default=0.0)
         rss_first, rss_last = _quarters([s["rss_w0"] for s in soak.samples])
-        # the inbox remembers every processed id for its window by design (sizing rule: bytes per id
-        # x rate x window, docs/idempotency.md): the server's memory apart from it must stay flat
-        mem_first, mem_last = _quarters([used - inbox for used, inbox, _ in soak.memory] or [0])
-        inbox_bytes, inbox_ids = soak.memory[-1][1:] if soak.memory else (0, 0)
+        # the inbox remembers every processed id for its window and the DLQ keeps every dead letter
+        # until purged, both by design (sizing rule for the inbox: bytes per id x rate x window,
+        # docs/idempotency.md): the server's memory apart from them must stay flat
+        mem_first, mem_last = _quarters([used - inbox - dlq for used, inbox, _, dlq in soak.memory] or [0])
+        inbox_bytes, inbox_ids = soak.memory[-1][1:3] if soak.memory else (0, 0)
         per_id = inbox_bytes / inbox_ids if inbox_ids else 0.0
         checks = [
             (f"lag never above {LAG_LIMIT_S:g} s of traffic", f"max {max_lag_s:.1f} s", max_lag_s <= LAG_LIMIT_S),
@@ -399,7 +402,7 @@ def _soak(url: str, db_url: str, rate: float, options: Options, progress: Progre
                 rss_last <= FLAT_LIMIT * rss_first,
             ),
             (
-                f"server memory apart from the inbox flat (last quarter ≤ {FLAT_LIMIT:.2f}x first)",
+                f"server memory apart from inbox and DLQ flat (last quarter ≤ {FLAT_LIMIT:.2f}x first)",
                 f"{mem_first / 2**20:.1f} → {mem_last / 2**20:.1f} MiB ({mem_last / max(mem_first, 1):.2f}x)",
                 mem_last <= FLAT_LIMIT * mem_first,
             ),

@@ -71,27 +71,38 @@ local function inbox_meta(base, slot)
   return m
 end
 
+-- The regime id time t falls in: its shift S and the id time it starts at.
 local function inbox_shift(m, t)
   local r = m.r
-  local s = r[1][2]
-  for i = 2, #r do
-    if r[i][1] <= t then s = r[i][2] else break end
-  end
-  return s
+  local i = 1
+  while r[i + 1] and r[i + 1][1] <= t do i = i + 1 end
+  return r[i][2], r[i][1]
 end
 
-local function inbox_regime_start(m, t)
-  local r = m.r
-  local start = r[1][1]
-  for i = 2, #r do
-    if r[i][1] <= t then start = r[i][1] else break end
+local INBOX_POW = {}  -- 2^S, S = 0..20
+for i = 0, 20 do INBOX_POW[i] = 2 ^ i end
+
+-- The group of bucket (s, t) in groups[s][k] (k = t >> s), made with make() the first time and
+-- appended to order; the bucket's key is formatted once per group, not once per id.
+local function inbox_group(groups, order, base, s, t, make)
+  local k = math.floor(t / INBOX_POW[s])
+  local gs = groups[s]
+  if not gs then
+    gs = {}
+    groups[s] = gs
   end
-  return start
+  local g = gs[k]
+  if not g then
+    g = make(s, t)
+    g.key = base .. ':b:' .. s .. ':' .. string.format('%x', k)
+    gs[k] = g
+    order[#order + 1] = g
+  end
+  return g
 end
 
-local function inbox_bucket(base, s, t)
-  return base .. ':b:' .. s .. ':' .. string.format('%x', math.floor(t / 2 ^ s))
-end
+local function inbox_new_lookup() return {fields = {}, idx = {}} end
+local function inbox_new_bucket(s, t) return {args = {}, s = s, lo = t, t = t} end
 
 -- Which of the ids are recorded as processed. bins[first .. first+count-1] are 16-byte ids ('' for
 -- ids kept in the zset, reported false); returns a table of booleans 1..count. One HMGET of the
@@ -105,23 +116,16 @@ local function inbox_seen_many(base, bins, first, count)
       local t = inbox_time(bin)
       local m = inbox_meta(base, math.floor(t / INBOX_SLOT))
       if m then
-        local key = inbox_bucket(base, inbox_shift(m, t), t)
-        local g = groups[key]
-        if not g then
-          g = {fields = {}, idx = {}}
-          groups[key] = g
-          order[#order + 1] = key
-        end
+        local g = inbox_group(groups, order, base, (inbox_shift(m, t)), t, inbox_new_lookup)
         g.fields[#g.fields + 1] = string.sub(bin, 4)
         g.idx[#g.idx + 1] = i
       end
     end
   end
-  for _, key in ipairs(order) do
-    local g = groups[key]
+  for _, g in ipairs(order) do
     for from = 1, #g.fields, 1000 do
       local to = math.min(from + 999, #g.fields)
-      local got = redis.call('HMGET', key, unpack(g.fields, from, to))
+      local got = redis.call('HMGET', g.key, unpack(g.fields, from, to))
       for j = 1, #got do
         if got[j] then seen[g.idx[from + j - 1]] = true end
       end
@@ -198,22 +202,14 @@ local function inbox_flush(base)
       buckets, border = {}, {}
       for i = 1, #g.bins do
         local t = g.ts[i]
-        local s = inbox_shift(m, t)
-        local key = inbox_bucket(base, s, t)
-        local b = buckets[key]
-        if not b then
-          b = {args = {}, s = s, lo = t, t = t}
-          buckets[key] = b
-          border[#border + 1] = key
-        end
+        local b = inbox_group(buckets, border, base, (inbox_shift(m, t)), t, inbox_new_bucket)
         b.args[#b.args + 1] = string.sub(g.bins[i], 4)
         b.args[#b.args + 1] = 1
         if t > b.t then b.t = t end
         if t < b.lo then b.lo = t end
       end
       local split = false
-      for _, key in ipairs(border) do
-        local b = buckets[key]
+      for _, b in ipairs(border) do
         local count = #b.args / 2
         if count > INBOX_MAX and b.s > 0 then
           local before = #m.r
@@ -226,8 +222,8 @@ local function inbox_flush(base)
     end
     if g.hi > m.h then m.h = g.hi end  -- regimes started below are above every id of this call
     local added_all = 0
-    for _, key in ipairs(border) do
-      local b = buckets[key]
+    for _, b in ipairs(border) do
+      local key = b.key
       local added = 0
       for from = 1, #b.args, 2000 do
         added = added + redis.call('HSET', key, unpack(b.args, from, math.min(from + 1999, #b.args)))
@@ -245,7 +241,7 @@ local function inbox_flush(base)
           local unit = 2 ^ b.s
           local k = math.floor(b.t / unit) - 1
           local plen = INBOX_SPARSE
-          if k * unit >= inbox_regime_start(m, b.t) then  -- the bucket before, in the same regime
+          if k * unit >= select(2, inbox_shift(m, b.t)) then  -- the bucket before, in the same regime
             plen = redis.call('HLEN', base .. ':b:' .. b.s .. ':' .. string.format('%x', k))
           end
           if plen < INBOX_SPARSE then

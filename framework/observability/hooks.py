@@ -55,14 +55,19 @@ def observer(handler: Any) -> Any:
     return Observer(handler)
 
 
-async def publish(broker: Any, envelopes: list[Envelope], dedup_window_ms: int | None = None) -> list[str | None]:
-    """``broker.publish`` with a PRODUCER span per message (children of the caller's current
-    context) and the sent counter (messages stored)."""
+async def publish(
+    broker: Any, envelopes: list[Envelope], dedup_window_ms: int | None = None, *, from_headers: bool = False
+) -> list[str | None]:
+    """``broker.publish`` with a PRODUCER span per message and the sent counter (messages stored).
+
+    The spans are children of the caller's current context, or, with ``from_headers``, of the
+    context each message already carries (the outbox relay: the code that wrote the row), which
+    they replace in the headers."""
     spans: list[Any] = []
     if TRACING:
         from framework.observability import tracing
 
-        spans = tracing.producer_spans(envelopes)
+        spans = tracing.producer_spans(envelopes, from_headers=from_headers)
     try:
         entries: list[str | None] = await broker.publish(envelopes, dedup_window_ms=dedup_window_ms)
     except BaseException as exc:
@@ -77,24 +82,8 @@ async def publish(broker: Any, envelopes: list[Envelope], dedup_window_ms: int |
 
 
 async def relay_publish(broker: Any, envelopes: list[Envelope]) -> list[str | None]:
-    """The outbox relay's publish: each message's PRODUCER span is a child of the context stored
-    in its row (the code that wrote it), written over it in the headers; one span per message."""
-    spans: list[Any] = []
-    if TRACING:
-        from framework.observability import tracing
-
-        spans = tracing.producer_spans(envelopes, from_headers=True)
-    try:
-        entries: list[str | None] = await broker.publish(envelopes)
-    except BaseException as exc:
-        if spans:
-            tracing.end_spans(spans, exc)
-        raise
-    if spans:
-        tracing.end_spans(spans)
-    if METRICS:
-        count_sent(envelopes)
-    return entries
+    """The outbox relay's publish: :func:`publish` with each message's span a child of its row's context."""
+    return await publish(broker, envelopes, from_headers=True)
 
 
 def staged(headers: MutableMapping[str, str], destination: Any, message_id: str) -> None:
