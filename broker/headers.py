@@ -7,6 +7,7 @@ original message in a DLQ entry. Both are written down once here so every part a
 from __future__ import annotations
 
 __all__ = [
+    "BAGGAGE",
     "CAUSATION_ID",
     "CONTENT_TYPE",
     "CORRELATION_ID",
@@ -31,6 +32,7 @@ __all__ = [
 # --- message headers (Envelope.headers) --------------------------------------------------------
 TRACEPARENT = "traceparent"  # W3C trace context of the producing span
 TRACESTATE = "tracestate"
+BAGGAGE = "baggage"  # W3C baggage of the producing context
 CORRELATION_ID = "correlation-id"  # id of the first message of a conversation
 CAUSATION_ID = "causation-id"  # id of the message whose handler sent this one
 CONTENT_TYPE = "content-type"  # of the body; "application/json" unless bytes were sent raw

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker.inspect import group_state
 from framework import Client, Context, Queue, RetryPolicy, Runtime, Service, enable_metrics, outbox
 from framework.observability import disable_metrics, metrics
+from framework.observability.histograms import LocalHistogram
 from framework.testing import TEST_SETTINGS, ServiceHarness
 from tests.conftest import run_cli
 
@@ -76,6 +77,36 @@ async def eventually(check: Any, timeout: float = 10.0) -> None:
     with anyio.fail_after(timeout):
         while not check():
             await anyio.sleep(0.02)
+
+
+async def test_histograms_are_the_sdks_points_cumulative_or_delta_as_each_reader_asks() -> None:
+    """The per-message histograms are kept by the framework and handed to every reader as the
+    SDK's explicit-bucket points: right buckets, sum, min and max, per reader temporality."""
+    from opentelemetry.sdk.metrics import Histogram
+    from opentelemetry.sdk.metrics.export import AggregationTemporality
+
+    delta = InMemoryMetricReader(preferred_temporality={Histogram: AggregationTemporality.DELTA})
+    cumulative = InMemoryMetricReader()
+    enable_metrics(MeterProvider(metric_readers=[delta, cumulative]))
+    try:
+        recorder = metrics.instruments().duration.recorder({"framework.handler": "h", "framework.outcome": "success"})
+        assert isinstance(recorder, LocalHistogram), "kept by the framework, not recorded through the SDK"
+        for seconds in (0.0004, 0.002, 0.002, 7.0):
+            recorder.record(seconds)
+        [d1] = points(delta, "messaging.process.duration", framework__handler="h")
+        [c1] = points(cumulative, "messaging.process.duration", framework__handler="h")
+        recorder.record(0.3)
+        [d2] = points(delta, "messaging.process.duration", framework__handler="h")
+        [c2] = points(cumulative, "messaging.process.duration", framework__handler="h")
+    finally:
+        disable_metrics()
+    for p in (d1, c1):
+        assert p.count == 4 and p.sum == pytest.approx(7.0044) and (p.min, p.max) == (0.0004, 7.0)
+        assert list(p.explicit_bounds)[:3] == [0.0005, 0.001, 0.0025]
+        assert p.bucket_counts[0] == 1 and p.bucket_counts[2] == 2  # (0, 0.5 ms], (1 ms, 2.5 ms]
+        assert p.bucket_counts[list(p.explicit_bounds).index(10.0)] == 1  # (5 s, 10 s]
+    assert d2.count == 1 and d2.sum == pytest.approx(0.3) and d2.start_time_unix_nano >= d1.time_unix_nano
+    assert c2.count == 5 and c2.start_time_unix_nano == c1.start_time_unix_nano
 
 
 async def test_counters_and_histograms_match_what_the_handlers_did(

@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import attrs
+import orjson
 import pytest
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -318,6 +319,102 @@ async def test_a_sampled_out_parent_records_nothing_downstream_but_its_context_t
         match = re.fullmatch(f"00-{trace_id:032x}-[0-9a-f]{{16}}-([0-9a-f]{{2}})", headers[TRACEPARENT])
         assert match is not None, headers
         assert not int(match[1], 16) & 1, "the sampled flag stays 0"
+
+
+async def test_a_ratio_is_applied_once_before_the_sdk_and_unsampled_traces_stay_unsampled(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a provider built by the framework from OTEL_TRACES_SAMPLER (parent-based ratio), roots
+    are drawn before the SDK: about the ratio of messages is traced, each one a whole trace, and
+    every other message travels with its own unsampled context (flags 00, fresh ids)."""
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    from framework.observability import hooks, tracing
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.25")
+    built = tracing.build_provider("ratio", endpoint="http://127.0.0.1:9")
+    sampler = built.sampler
+    built.shutdown()
+    assert isinstance(sampler, tracing.PreSampled)
+    assert isinstance(sampler.delegate, ParentBased)
+    assert isinstance(sampler.delegate._root, TraceIdRatioBased) and sampler.delegate._root.rate == 0.25
+    provider = TracerProvider(sampler=sampler)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    svc = Service("ratio")
+
+    @svc.command(Queue("ratio.in"))
+    async def forward(job: dict, ctx: Context) -> None:
+        ctx.send("ratio.out", job)
+
+    n = 200
+    enable_tracing(provider)
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace) as h:
+            hooks.set_flags(tracing=False)  # the first half carries no trace context: consumer roots
+            try:
+                await h.client.send_many("ratio.in", [{"n": i} for i in range(n)])
+            finally:
+                hooks.set_flags(tracing=True)
+            await h.client.send_many("ratio.in", [{"n": i} for i in range(n, 2 * n)])  # producer roots
+            await h.run_until_idle()
+            outgoing = await h.messages("ratio.out")
+    finally:
+        disable_tracing()
+    found = exporter.get_finished_spans()
+    consumers = [s for s in found if s.name == "process ratio.in"]
+    traced = {s.context.trace_id for s in consumers}
+    assert len(outgoing) == 2 * n
+    for half in (range(n), range(n, 2 * n)):
+        sampled = [env for env in outgoing if orjson.loads(env.body)["n"] in half and _sampled(env)]
+        assert 0.10 * n <= len(sampled) <= 0.45 * n, len(sampled)  # 25% of 200: 50 +- 6 sd
+    unsampled_ids = []
+    for env in outgoing:
+        _, trace_id, _, flags = env.headers[TRACEPARENT].split("-")
+        if int(flags, 16) & 1:
+            assert int(trace_id, 16) in traced, "a sampled message belongs to a recorded trace"
+        else:
+            assert int(trace_id, 16) not in traced
+            unsampled_ids.append(trace_id)
+    assert len(set(unsampled_ids)) == len(unsampled_ids), "every unsampled root has ids of its own"
+    # each recorded consumer span is a whole trace: its staged send is its child
+    sends = {s.parent.span_id for s in found if s.name == "send ratio.out" and s.parent is not None}
+    assert all(s.context.span_id in sends for s in consumers)
+    roots = [s for s in consumers if s.parent is None]
+    assert roots and len(roots) < len(consumers), "consumer roots (first half) and producer parents (second)"
+
+
+def _sampled(env: Any) -> bool:
+    return bool(int(env.headers[TRACEPARENT].rsplit("-", 1)[1], 16) & 1)
+
+
+async def test_user_middleware_runs_inside_the_consumer_span_and_sees_its_outcome(
+    redis_url: str, namespace: str, spans: InMemorySpanExporter
+) -> None:
+    svc = Service("guarded", retry=RetryPolicy(max_attempts=2, immediate=1))
+    inside: list[tuple[int, str]] = []
+
+    @svc.middleware
+    async def audit(message: Any, ctx: Context, call_next: Any) -> Any:
+        outcome = await call_next()
+        inside.append((trace.get_current_span().get_span_context().span_id, outcome.status))
+        return outcome
+
+    @svc.command(Queue("guarded.in"))
+    async def work(job: dict, ctx: Context) -> None:
+        if ctx.attempt == 1:
+            raise RuntimeError("first attempt fails")
+
+    async with ServiceHarness([svc], url=redis_url, namespace=namespace) as h:
+        await h.client.send("guarded.in", {"n": 1})
+        await h.run_until_idle()
+        [consumer] = h.runtime.consumers if h.runtime is not None else []
+        assert consumer.attempts.run == consumer.attempts._run_chain
+    attempts = _by_name(list(spans.get_finished_spans()), "process guarded.in")
+    assert [(s.context.span_id, (s.attributes or {})["framework.outcome"]) for s in attempts] == inside
+    assert [status for _, status in inside] == ["retry", "success"]
 
 
 async def test_tracing_off_adds_no_headers_and_keeps_the_fast_path(redis_url: str, namespace: str) -> None:

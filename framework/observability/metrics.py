@@ -7,8 +7,9 @@ Imported only once metrics are turned on. What each instrument costs per message
   (:class:`framework.runtime.ledger.ConsumerStats`) when a reader collects, nothing per message;
 * in flight reads the consumers' ledgers when collected;
 * ``messaging.process.duration`` and ``framework.message.latency`` are histograms recorded by
-  the consumer's observer (:mod:`framework.observability.consumer`) per attempt, with attribute
-  sets built once per handler;
+  the consumer's observer (:mod:`framework.observability.consumer`) per attempt into the
+  framework's own buckets (:mod:`framework.observability.histograms`: a bisect and a few
+  additions), handed to the readers when they collect;
 * ``messaging.client.sent.messages`` is one ``Counter.add`` per publish call and destination;
 * consumer lag and pending (per group and partition) and dead letters are read from Redis by
   :func:`watch_runtime` every :data:`REFRESH_INTERVAL` seconds (not per scrape, not per message),
@@ -31,6 +32,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from broker import Envelope
 from framework.logs import get_logger
+from framework.observability.histograms import BOUNDS, Family, attach
 
 __all__ = [
     "REFRESH_INTERVAL",
@@ -56,8 +58,6 @@ REFRESH_INTERVAL = 5.0
 
 _SCOPE = "framework"
 _MESSAGE = "{message}"
-# seconds: from half a millisecond to a minute
-_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _COUNTERS = (  # ConsumerStats field -> instrument, description
     ("fetched", "messaging.client.consumed.messages", "messages delivered to the handler's consumer"),
     ("processed", "framework.messages.processed", "messages processed successfully"),
@@ -84,22 +84,20 @@ def consumer_attributes(destination: str, group: str, service: str, handler: str
 class Instruments:
     """The synchronous instruments (the observable ones read :data:`_registry`)."""
 
-    def __init__(self, meter: Any) -> None:
+    def __init__(self, meter: Any, provider: Any) -> None:
         self.sent = meter.create_counter(
             "messaging.client.sent.messages", unit=_MESSAGE, description="messages published"
         )
-        self.duration = meter.create_histogram(
-            "messaging.process.duration",
-            unit="s",
-            description="handler attempts, by outcome",
-            explicit_bucket_boundaries_advisory=_BUCKETS,
-        )
-        self.latency = meter.create_histogram(
-            "framework.message.latency",
-            unit="s",
-            description="from publish to the start of the handler's first attempt",
-            explicit_bucket_boundaries_advisory=_BUCKETS,
-        )
+        self.duration = Family("messaging.process.duration", "handler attempts, by outcome")
+        self.latency = Family("framework.message.latency", "from publish to the start of the handler's first attempt")
+        if not attach(provider, (self.duration, self.latency)):  # not the SDK's provider: its histograms
+            for family in (self.duration, self.latency):
+                family.sdk = meter.create_histogram(
+                    family.name,
+                    unit=family.unit,
+                    description=family.description,
+                    explicit_bucket_boundaries_advisory=BOUNDS,
+                )
         for field, name, description in _COUNTERS:
             meter.create_observable_counter(name, [_stat_reader(field)], unit=_MESSAGE, description=description)
         meter.create_observable_up_down_counter(
@@ -159,7 +157,7 @@ def install(provider: Any, *, owned: bool = False) -> None:
         otel_metrics.set_meter_provider(provider)
     _provider = provider
     _owned = provider if owned else None
-    _instruments = Instruments(provider.get_meter(_SCOPE))
+    _instruments = Instruments(provider.get_meter(_SCOPE), provider)
 
 
 def uninstall() -> Any:

@@ -115,9 +115,9 @@ class Runtime:
                 for handler in service.handlers:
                     views = await self.broker.subscribe(handler.spec, service.name, handler.start)
                     middleware = self.middleware + tuple(service.middleware_chain)
-                    observer = hooks.observer(handler) if hooks.ANY else None  # off: no chain, no cost
-                    if observer is not None:
-                        middleware = (observer, *middleware)  # outermost: user middleware runs in its span
+                    observer = hooks.observer(handler) if hooks.ANY else None  # off: no cost
+                    if observer is not None and middleware:  # outermost: user middleware runs in its span
+                        middleware = (observer, *middleware)  # (without middleware: the direct path calls it)
                     wiring = Wiring(
                         broker=self.broker,
                         settings=self.settings,

@@ -54,6 +54,8 @@ class Attempts:
         self.log = wiring.log
         self.middleware: tuple[Middleware, ...] = tuple(wiring.middleware)
         self.run = self._run_chain if self.middleware else self._run_direct
+        # tracing/metrics without middleware: the direct path calls the observer around each attempt
+        self.observer: Any = None if self.middleware else wiring.observer
 
     # -- deciding ---------------------------------------------------------------------------------
 
@@ -103,9 +105,13 @@ class Attempts:
         handler = self.handler
         fn = handler.fn
         broker = self.wiring.broker
+        observer = self.observer
+        watch = None
         first_failed: int | None = None
         while True:
             ctx = Context(d, handler, attempt, broker)
+            if observer is not None:
+                watch = observer.begin(d, attempt, slot)
             slot.delivery = d
             slot.attempt = attempt
             slot.runs += 1
@@ -119,6 +125,8 @@ class Attempts:
                 slot.delivery = None
                 if ctx.redis_effects is not None:  # a failed commit (the broker unreachable) is a failed attempt
                     await self.settle.commit_effects(ledger, d, ctx, attempt)
+                    if watch is not None:
+                        observer.end(watch, "success")
                     return SETTLED
                 if handler.sql_inbox:
                     self._check_sql_inbox(d, ctx)
@@ -128,16 +136,27 @@ class Attempts:
                 slot.delivery = None
                 self.stats.duplicates += 1
                 ctx.mark_duplicate()
+                if watch is not None:
+                    observer.end(watch, "duplicate")
                 return ctx
             except (Exception, SystemExit) as exc:  # sys.exit() in a handler fails its attempt, not the process
                 slot.delivery = None
                 first_failed = first_failed or now_ms()
                 outcome = self.failed(attempt, exc)
+                if watch is not None:
+                    observer.end(watch, outcome.status, outcome)
                 if await self._retried_in_place(d, outcome):
                     attempt += 1
                     continue
                 await self.settle.failure(ledger, d, outcome, first_failed)
                 return None
+            except BaseException:  # cancelled: by the watchdog (settled by timed_out) or at shutdown
+                if watch is not None:
+                    observer.interrupted(watch)
+                    slot.watch = watch
+                raise
+            if watch is not None:
+                observer.end(watch, "duplicate" if ctx.duplicate else "success")
             return ctx
 
     def _check_sql_inbox(self, d: Delivery, ctx: Context) -> None:
@@ -166,6 +185,9 @@ class Attempts:
         through the retry path (never in place) or dead-lettered."""
         slot.delivery = None
         outcome = self.failed(slot.attempt, self._timeout_error(), timed_out=True)
+        if slot.watch is not None:  # the attempt's span ends with its timeout
+            watch, slot.watch = slot.watch, None
+            self.observer.end(watch, outcome.status, outcome)
         self.log_failure(d, outcome)
         with anyio.CancelScope(shield=True):
             await self.settle.failure(ledger, d, outcome, None)

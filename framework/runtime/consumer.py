@@ -147,6 +147,9 @@ class Consumer:
             ledger.forget([d for d in current + [d for d, _ in rest] if id(d) not in finished])
         finally:
             slot.delivery = None
+            if slot.watch is not None:  # a run cancelled at shutdown: its span ends unsettled
+                self.attempts.observer.abandon(slot.watch)
+                slot.watch = None
             ledger.slots.discard(slot)
             self.stats.handler_seconds += time.perf_counter() - started
             logcontext.leave(context)

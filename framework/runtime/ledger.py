@@ -52,7 +52,7 @@ class Slot:
     middleware is installed, the scope of the one attempt (so the chain sees the timeout).
     """
 
-    __slots__ = ("attempt", "delivery", "index", "runs", "scope", "seen_at", "seen_run")
+    __slots__ = ("attempt", "delivery", "index", "observed", "runs", "scope", "seen_at", "seen_run", "watch")
 
     def __init__(self) -> None:
         self.delivery: Delivery | None = None  # set only while the handler itself runs
@@ -62,6 +62,8 @@ class Slot:
         self.seen_run = -1
         self.seen_at = 0.0
         self.scope: anyio.CancelScope | None = None
+        self.watch: Any = None  # the observer's watch of a run cut short, until its timeout is settled
+        self.observed: Any = None  # tracing or metrics: the observer's watch this lane reuses
 
 
 class Ledger:
