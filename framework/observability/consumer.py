@@ -52,17 +52,21 @@ _attach, _detach = _context_ops()
 
 class Watch:
     """One attempt being watched: its span (None when not recorded), the context token to detach
-    (None when tracing is off, or once detached) and when it started (metrics). A lane reuses
-    one for its attempts, one at a time (:meth:`Observer.begin`); ``unsampled`` is the lane's
-    span for messages that are not sampled."""
+    (None when tracing is off, or once detached) and when it started (metrics).
 
-    __slots__ = ("span", "started", "token", "unsampled")
+    A lane reuses one for its attempts, one at a time (:meth:`Observer.begin`). ``unsampled`` is
+    the lane's span for messages that are not sampled; its context stays attached from the lane's
+    first unsampled message to the end of the batch (``lane_token``, released by
+    :meth:`Observer.release`), so an unsampled message attaches nothing of its own."""
+
+    __slots__ = ("lane_token", "span", "started", "token", "unsampled")
 
     def __init__(self) -> None:
         self.span: Any = None
         self.token: Any = None
         self.started = 0.0
         self.unsampled: Any = None
+        self.lane_token: Any = None
 
 
 class Observer:
@@ -127,8 +131,11 @@ class Observer:
         if lane is None:
             lane = watch.unsampled = self._tracing.Unsampled()
         parent, record = self._tracing.consumer_parent(d.envelope.headers, lane)
-        if not record:  # not sampled: no span, the unsampled context is current
-            watch.token = _attach(parent)
+        if not record:  # not sampled: no span, the (lane's) unsampled context is current
+            if slot is None:
+                watch.token = _attach(parent)
+            elif watch.lane_token is None:
+                watch.lane_token = _attach(parent)
             return watch
         span = self.tracer.start_span(self.span_name, parent, trace.SpanKind.CONSUMER, self.base)
         if span.is_recording():
@@ -155,6 +162,12 @@ class Observer:
         if watch.token is not None:
             _detach(watch.token)
             watch.token = None
+
+    def release(self, watch: Watch) -> None:
+        """The lane's batch is over: leave its unsampled context (in the task that entered it)."""
+        if watch.lane_token is not None:
+            _detach(watch.lane_token)
+            watch.lane_token = None
 
     def abandon(self, watch: Watch, exc: BaseException | None = None) -> None:
         """End the span of an attempt that was cancelled and will not be settled here."""

@@ -150,6 +150,8 @@ class Consumer:
             if slot.watch is not None:  # a run cancelled at shutdown: its span ends unsettled
                 self.attempts.observer.abandon(slot.watch)
                 slot.watch = None
+            if slot.observed is not None:
+                self.attempts.observer.release(slot.observed)
             ledger.slots.discard(slot)
             self.stats.handler_seconds += time.perf_counter() - started
             logcontext.leave(context)
