@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import statistics
@@ -49,6 +50,10 @@ BENCHMARKS = (
     "spark",
     "recovery",
     "sql",
+    "ownership",
+    "cluster",
+    "schedule",
+    "saga",
 )
 _NEEDS_RAW = {"commands", "events", "memory"}  # their ratios need the ceiling of the same run
 
@@ -276,6 +281,30 @@ class Runner:
                 "spark",
                 "benchmarks.spark_bench",
                 lambda m: m.run(url, events=s.spark_events, partitions=4, repeats=self.repeats),
+            )
+        if "ownership" in self.selected:  # partition ownership (#12): 8 partitions, 1 and 2 workers
+            self._external(
+                "ownership",
+                "benchmarks.ownership_bench",
+                lambda m: m.run(url, messages=max(s.messages, 200_000), repeats=self.repeats),
+            )
+        if "cluster" in self.selected:  # Redis Cluster (#12): 8 partitions, 1 and 2 workers, vs one server
+            self._external(
+                "cluster",
+                "benchmarks.cluster_bench",
+                lambda m: m.run(url, messages=max(s.messages, 200_000), repeats=self.repeats),
+            )
+        if "schedule" in self.selected:  # scheduled messages (#13): lateness and the mover's throughput
+            self._external(
+                "schedule",
+                "benchmarks.schedule_bench",
+                lambda m: m.run(url, messages=s.messages // 2, repeats=self.repeats),
+            )
+        if "saga" in self.selected:  # sagas (#13): saga steps/s vs plain handlers with the inbox on
+            self._external(
+                "saga",
+                "benchmarks.saga_bench",
+                lambda m: m.run(url, messages=s.messages // 4, repeats=self.repeats),
             )
 
     def _external(self, name: str, module_name: str, call: Callable[[Any], dict[str, Any]]) -> None:
@@ -552,6 +581,16 @@ class Runner:
             rows.append(self._external_row("outbox relay", ob[0], self._outbox_row))
         if not not_run("spark", "spark bridge") and (sp := self.trials.get("spark")):
             rows.append(self._external_row("spark bridge", sp[0], self._spark_row))
+        if not not_run("ownership", "partition ownership") and (ow := self.trials.get("ownership")):
+            for w in sorted(int(k) for k in ow[0].get("cost", {})):
+                rows.append(self._external_row("partition ownership", ow[0], functools.partial(_ownership_row, w)))
+        if not not_run("cluster", "redis cluster") and (cl := self.trials.get("cluster")):
+            for w in sorted(int(k) for k in cl[0].get("ratio", {})):
+                rows.append(self._external_row("redis cluster", cl[0], functools.partial(_cluster_row, w)))
+        if not not_run("schedule", "scheduled messages") and (sc := self.trials.get("schedule")):
+            rows.append(self._external_row("scheduled messages", sc[0], _schedule_row))
+        if not not_run("saga", "sagas") and (sg := self.trials.get("saga")):
+            rows.append(self._external_row("sagas", sg[0], _saga_row))
         return rows
 
     def _sql_rows(self, sm: dict[str, dict[str, Any]]) -> list[Row]:
@@ -652,6 +691,53 @@ class Runner:
                     "steal_pct": statistics.median(m["cpu_steal_pct"] for m in marks),
                 }
         return out
+
+
+OWNERSHIP_COST_TARGET = 0.10  # 1 worker with leases vs the unowned read
+
+
+def _ownership_row(workers: int, o: dict[str, Any]) -> Row:
+    owned, off, cost = o["medians"][f"partitioned:{workers}"], o["medians"][f"off:{workers}"], o["cost"][str(workers)]
+    return Row(
+        f"ownership: 8 partitions, inbox on, {workers} worker(s), leases + fencing ({o['cores']} cores)",
+        f"{owned:,.0f} msg/s",
+        f"{off:,.0f} msg/s\n[dim]unowned read, same run[/dim]",
+        f"cost {cost:.0%}",
+        target=f"cost < {OWNERSHIP_COST_TARGET:.0%}" if workers == 1 else "—",
+        ok=cost < OWNERSHIP_COST_TARGET if workers == 1 else None,
+    )
+
+
+def _schedule_row(o: dict[str, Any]) -> Row:
+    return Row(
+        f"schedule: {o['messages']:,} messages due over {o['spread_s']:g} s, one worker's mover",
+        f"lateness p50 {o['p50_ms']:,.0f} ms, p99 {o['p99_ms']:,.0f} ms",
+        f"mover {o['mover_per_s']:,.0f} msg/s\n[dim]backlog due at one instant[/dim]",
+        target="p99 < 1,000 ms",
+        ok=o["p99_ms"] < 1000,
+    )
+
+
+def _saga_row(o: dict[str, Any]) -> Row:
+    m, cost = o["medians"], o["cost"]
+    return Row(
+        f"saga: {o['messages']:,} steps over {o['sagas']:,} instances, one worker ({o['cores']} cores)",
+        f"{m['saga_step']:,.0f} steps/s\n[dim]via a topic (2 hops): {m['saga_event']:,.0f}/s[/dim]",
+        f"{m['plain']:,.0f} msg/s plain, inbox on\n[dim]{m['plain_tx']:,.0f}/s with redis_transaction[/dim]",
+        f"cost {cost['saga_step']:.1f}x plain\n[dim]{m['plain_tx'] / m['saga_step']:.1f}x redis_transaction[/dim]",
+        target="< 2x plain",
+        ok=cost["saga_step"] < 2,
+    )
+
+
+def _cluster_row(workers: int, o: dict[str, Any]) -> Row:
+    on_cluster, single = o["medians"][f"cluster:{workers}"], o["medians"][f"single:{workers}"]
+    return Row(
+        f"cluster: 8 partitions, inbox on, {workers} worker(s), {o['nodes']}-node local cluster ({o['cores']} cores)",
+        f"{on_cluster:,.0f} msg/s",
+        f"{single:,.0f} msg/s\n[dim]one server, same run[/dim]",
+        f"{o['ratio'][str(workers)]:.2f}",
+    )
 
 
 def _table(rows: Sequence[Row], title: str) -> Table:

@@ -13,6 +13,7 @@ from broker.errors import (
     ConfigurationError,
     DecodeError,
     EffectsFailed,
+    LeaseLost,
     MessageTooLarge,
     PermissionDenied,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "Delivery",
     "DestinationSpec",
     "EffectsFailed",
+    "LeaseLost",
     "EmbeddedServer",
     "Envelope",
     "GroupKeys",

@@ -141,9 +141,11 @@ async def connect(
     ns = namespace or default_namespace()
     if info.get("cluster_enabled") in (1, "1"):
         await client.aclose()
-        from redis.asyncio.cluster import RedisCluster
+        from broker.cluster_client import BrokerCluster
 
-        cluster = RedisCluster.from_url(resolved, protocol=2, **client_options(resolved, command_timeout, cluster=True))
+        cluster = BrokerCluster.from_url(
+            resolved, protocol=2, **client_options(resolved, command_timeout, cluster=True)
+        )
         await cluster.initialize()
         return RedisBroker(cluster, namespace=ns, url=resolved, cluster=True, command_timeout=command_timeout)
     return RedisBroker(client, namespace=ns, url=resolved, command_timeout=command_timeout)

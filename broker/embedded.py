@@ -40,7 +40,7 @@ import attrs
 
 from broker.errors import BrokerUnavailable
 
-__all__ = ["EmbeddedServer", "ServerStatus", "default_data_dir", "framework_home"]
+__all__ = ["EmbeddedServer", "ServerStatus", "default_data_dir", "framework_home", "local_url"]
 
 
 def framework_home() -> Path:
@@ -74,17 +74,20 @@ class ServerStatus:
     @property
     def url(self) -> str | None:
         """Connection URL when running, with the password (never log it: see :attr:`safe_url`)."""
-        if not (self.running and self.port):
-            return None
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return local_url(self.port if self.running else None, self.password)
 
     @property
     def safe_url(self) -> str | None:
         """:attr:`url` with the password replaced by ``***`` (for output and logs)."""
-        if not (self.running and self.port):
-            return None
-        return f"redis://{':***@' if self.password else ''}127.0.0.1:{self.port}/0"
+        return local_url(self.port if self.running else None, self.password, safe=True)
+
+
+def local_url(port: int | None, password: str | None, *, safe: bool = False) -> str | None:
+    """``redis://`` URL of a local server on ``port`` (None without one); ``safe``: password as ``***``."""
+    if not port:
+        return None
+    auth = (":***@" if safe else f":{password}@") if password else ""
+    return f"redis://{auth}127.0.0.1:{port}/0"
 
 
 def _binary() -> Path:

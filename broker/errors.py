@@ -12,6 +12,7 @@ __all__ = [
     "ConfigurationError",
     "DecodeError",
     "EffectsFailed",
+    "LeaseLost",
     "MessageTooLarge",
     "PermissionDenied",
 ]
@@ -27,6 +28,14 @@ class BrokerUnavailable(BrokerError):
 
 class ConfigurationError(BrokerError):
     """A destination, group or name is invalid or conflicts with what the server already holds."""
+
+
+class LeaseLost(BrokerError):
+    """A settle call was refused by the fencing check: the partition's lease has a newer token.
+
+    Another instance acquired the partition (this one's lease expired: a long pause, a lost
+    connection); nothing was changed, and the new owner delivers the entry again.
+    """
 
 
 class DecodeError(BrokerError):
@@ -70,6 +79,13 @@ class PermissionDenied(BrokerError, NoPermissionError):
         else:
             what = f"may not access keys ~{namespace}:*"
         super().__init__(f"permission denied: the broker user {what} (ACL); see docs/operations.md#acl-rules")
+
+
+class EffectsConflict(Exception):
+    """A handler's Redis writes were refused by a guard (``RedisEffects.expect``): a value the handler
+    read changed before its commit. Nothing was written, sent or acknowledged; run the handler again
+    (it reads the new value). Sagas use it as their optimistic version check.
+    """
 
 
 class EffectsFailed(Exception):

@@ -27,6 +27,7 @@ __all__ = [
     "GroupUsage",
     "INBOX_BYTES_PER_ID",
     "InboxMemory",
+    "LeaseView",
     "PartitionState",
     "dead_letter_count",
     "describe",
@@ -104,11 +105,27 @@ async def inbox_memory(broker: RedisBroker, view: GroupPartition, *, now: int | 
 
 
 @attrs.frozen
+class LeaseView:
+    """Who owns a group's partition (partition ownership): ``owner`` '' when nobody holds it now.
+
+    ``token`` is the fencing token of the latest acquisition; ``age_ms`` how long the owner has held
+    it; ``expires_in_ms`` how long until it lapses without a heartbeat (negative: lapsed).
+    """
+
+    owner: str
+    token: int
+    age_ms: int
+    expires_in_ms: int
+
+
+@attrs.frozen
 class GroupState:
     """A consumer group on one partition.
 
     ``lag`` counts entries not yet delivered to the group (including its redeliver stream);
-    ``pending`` counts delivered, unacknowledged ones; ``delayed`` waits in the retry path.
+    ``pending`` counts delivered, unacknowledged ones; ``delayed`` waits in the retry path;
+    ``lease`` is the partition's owner in the group (None unless the partition is owned: see
+    ``framework.runtime.ownership``; filled by :func:`describe`).
     """
 
     group: str
@@ -118,6 +135,7 @@ class GroupState:
     delayed: int
     dead_letters: int
     inbox: InboxMemory = InboxMemory()
+    lease: LeaseView | None = None
 
     @property
     def idle(self) -> bool:
@@ -211,6 +229,21 @@ async def group_state(broker: RedisBroker, view: GroupPartition) -> GroupState:
     return GroupState(view.group, consumers, pending, lag, int(delayed), int(dead), inbox)
 
 
+async def _with_lease(broker: RedisBroker, view: GroupPartition) -> GroupState:
+    state = await group_state(broker, view)
+    if not await broker.redis.hget(view.keys.lease, "token"):  # never owned: every instance reads it
+        return state
+    lease = await broker.lease_state(view)
+    live = lease.live
+    view_ = LeaseView(
+        owner=lease.owner if live else "",
+        token=lease.token,
+        age_ms=lease.now_ms - lease.since_ms if live else 0,
+        expires_in_ms=lease.until_ms - lease.now_ms,
+    )
+    return attrs.evolve(state, lease=view_)
+
+
 async def describe(broker: RedisBroker, names: list[str] | None = None) -> list[DestinationState]:
     """State of every declared destination (or of ``names``), with all groups that subscribed."""
     specs = await broker.list_destinations()
@@ -233,7 +266,7 @@ async def describe(broker: RedisBroker, names: list[str] | None = None) -> list[
                 raise
             except ResponseError:
                 length = 0
-            states = [await group_state(broker, broker.group_partition(spec, p, g)) for g in groups]
+            states = [await _with_lease(broker, broker.group_partition(spec, p, g)) for g in groups]
             parts.append(PartitionState(p, length, states))
         out.append(DestinationState(spec, parts))
     return out

@@ -26,6 +26,22 @@ MULTI that touch a stream and its group keys stay on one Cluster node::
                                                hash    processed UUIDv7/v8 ids whose time >> S is t (hex):
                                                        field = id bytes 4..16 (13 bytes), value 1
     <ns>:{<dest>:<p>}:g:<group>:attempts       hash    id -> attempts started on redeliveries (crash loops)
+    <ns>:{<dest>:<p>}:g:<group>:lease          hash    the partition's owner in the group (lease.lua): owner =
+                                                       instance ('' when released), token = fencing token (raised
+                                                       by every acquisition, never reset), until / since = server
+                                                       ms the lease ends / was acquired
+    <ns>:members:<dest>:<group>                zset    live instances of the group on the destination (members.lua):
+                                                       member = instance, score = server ms its heartbeat ends
+    <ns>:{<dest>:<p>}:scheduled                zset    scheduled messages (broker/_redis/scheduling.py): member =
+                                                       message id, score = due ms
+    <ns>:{<dest>:<p>}:scheduled:envelopes      hash    message id -> cmsgpack of the entry's field/value list
+    <ns>:{<dest>:<p>}:job                      hash    a recurring job's queue (partition 0): last = latest tick
+                                                       fired (ms), fired = ticks fired (job_tick.lua)
+    <ns>:scheduled                             zset    index of partitions holding scheduled messages: member =
+                                                       "<dest>|<p>", score = a hint of the earliest due ms
+    <ns>:{<dest>:<p>}:saga:<correlation id>    hash    a saga instance's state on its queue <service>.saga.<name>
+                                                       (framework/saga.py): v = version, s = state JSON, t = pending
+                                                       timeout ids; after completion v and done = 1, with an expiry
 
 ``<ns>`` (default ``fw``) separates deployments and test runs sharing one server.
 
@@ -80,6 +96,21 @@ class PartitionKeys:
     stream: str
     published: str
 
+    @property
+    def scheduled(self) -> str:
+        """Zset of the partition's scheduled messages (member = message id, score = due ms)."""
+        return f"{self.stream}:scheduled"
+
+    @property
+    def scheduled_envelopes(self) -> str:
+        """Hash of the scheduled messages' entries (message id -> cmsgpack of field/value list)."""
+        return f"{self.stream}:scheduled:envelopes"
+
+    @property
+    def job(self) -> str:
+        """Hash of a recurring job's state, on its queue's partition (job_tick.lua)."""
+        return f"{self.stream}:job"
+
     def group(self, group: str) -> GroupKeys:
         """Keys one consumer group keeps for this partition."""
         base = f"{self.stream}:g:{group}"
@@ -91,6 +122,7 @@ class PartitionKeys:
             dlq=f"{base}:dlq",
             inbox=f"{base}:inbox",
             attempts=f"{base}:attempts",
+            lease=f"{base}:lease",
         )
 
 
@@ -105,6 +137,7 @@ class GroupKeys:
     dlq: str
     inbox: str
     attempts: str
+    lease: str
 
 
 @attrs.frozen
@@ -126,6 +159,15 @@ class KeySpace:
     def subscriptions(self) -> str:
         """Registry hash of (destination, group) pairs."""
         return f"{self.namespace}:subscriptions"
+
+    @property
+    def scheduled_index(self) -> str:
+        """Zset of the partitions holding scheduled messages ("<dest>|<p>" -> earliest due ms, a hint)."""
+        return f"{self.namespace}:scheduled"
+
+    def members(self, destination: str, group: str) -> str:
+        """Zset of the live instances of ``group`` on ``destination`` (partition ownership)."""
+        return f"{self.namespace}:members:{destination}:{group}"
 
     def partition(self, destination: str, partition: int) -> PartitionKeys:
         """Keys of ``destination``'s partition number ``partition``."""

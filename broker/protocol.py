@@ -4,8 +4,8 @@ Any transport must keep these promises (``tests/test_broker_conformance.py`` che
 the real server, for every broker factory it is given). :class:`Broker` is everything the
 framework calls on a broker, grouped by role like the Redis implementation (``broker/_redis/``):
 :class:`Destinations`, :class:`Publisher`, :class:`GroupReader`, :class:`Settler`,
-:class:`DeadLetterAdmin`, plus :class:`Connection` (identity, closing, and the one Redis-specific member the
-framework still reaches for: ``redis``, behind ``ctx.redis``). Redis-only tools
+:class:`PartitionOwnership`, :class:`DeadLetterAdmin`, plus :class:`Connection` (identity, closing,
+and the one Redis-specific member the framework still reaches for: ``redis``, behind ``ctx.redis``). Redis-only tools
 (:mod:`broker.inspect`) take a :class:`~broker.RedisBroker` instead.
 
 * **Publish.** ``publish`` returns once every envelope is durable on the server (as durable as the
@@ -40,13 +40,16 @@ framework still reaches for: ``redis``, behind ``ctx.redis``). Redis-only tools
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import attrs
 
 from broker.envelope import Envelope, Kind
-from broker.keys import GroupKeys
+from broker.keys import GroupKeys, KeySpace
 from broker.topology import DestinationSpec
+
+if TYPE_CHECKING:
+    from broker._redis.scheduling import MoveResult, ScheduledMessage
 
 __all__ = [
     "Broker",
@@ -58,6 +61,7 @@ __all__ = [
     "GroupPartition",
     "GroupReader",
     "Publisher",
+    "Scheduler",
     "Settler",
     "Start",
 ]
@@ -273,10 +277,21 @@ class GroupReader(Protocol):
 
 
 class Settler(Protocol):
-    """Settling deliveries (each step atomic, and a no-op for entries no longer pending), and retention."""
+    """Settling deliveries (each step atomic, and a no-op for entries no longer pending), and retention.
+
+    Fencing: ``ack``, ``commit_effects``, ``dead_letter`` and ``retry_later`` take the caller's
+    ``token`` for the partition's lease (:class:`PartitionOwnership`); when another instance has
+    acquired the partition since, they change nothing and raise ``LeaseLost``. ``None``: no check.
+    """
 
     async def ack(
-        self, source: GroupPartition, deliveries: Sequence[Delivery], *, inbox: bool = False, channel: Any = None
+        self,
+        source: GroupPartition,
+        deliveries: Sequence[Delivery],
+        *,
+        inbox: bool = False,
+        channel: Any = None,
+        token: int | None = None,
     ) -> int:
         """Acknowledge deliveries (one round trip); with ``inbox``, record their ids as processed.
 
@@ -292,6 +307,7 @@ class Settler(Protocol):
         outgoing: Sequence[Envelope] = (),
         *,
         reason: Mapping[str, str] = {},
+        token: int | None = None,
     ) -> bool:
         """Apply a handler's writes and ``outgoing``, mark the inbox and ack, atomically.
 
@@ -309,14 +325,16 @@ class Settler(Protocol):
         (an earlier redelivered run started and did not complete)."""
         ...
 
-    async def dead_letter(self, delivery: Delivery, reason: dict[str, str]) -> str | None:
+    async def dead_letter(self, delivery: Delivery, reason: dict[str, str], *, token: int | None = None) -> str | None:
         """Move a delivery to its group's DLQ with ``reason`` fields, atomically with its ack.
 
         Returns the dead letter's id, or None when the entry was no longer pending (nothing written).
         """
         ...
 
-    async def retry_later(self, delivery: Delivery, due_ms: int, *, attempt: int | None = None) -> bool:
+    async def retry_later(
+        self, delivery: Delivery, due_ms: int, *, attempt: int | None = None, token: int | None = None
+    ) -> bool:
         """Park a delivery for redelivery to its group only at ``due_ms``, atomically with its ack.
 
         False when the entry was no longer pending. Undecodable deliveries raise ``ValueError``.
@@ -335,6 +353,44 @@ class Settler(Protocol):
 
     async def trim_inbox(self, source: GroupPartition, older_than_ms: int) -> int:
         """Forget processed ids recorded before ``older_than_ms`` and leases that expired."""
+        ...
+
+
+class PartitionOwnership(Protocol):
+    """Which instance of a group owns which partition: heartbeats, leases with fencing tokens, take-over.
+
+    A lease is held for ``ttl_ms`` from its acquisition or last renewal (by the server's clock);
+    every acquisition raises the partition's token, which never goes back.
+    """
+
+    async def heartbeat(
+        self, destination: str, group: str, instance: str, ttl_ms: int, *, leave: bool = False
+    ) -> list[str]:
+        """Beat ``instance``'s heartbeat in the group (or leave it); return the live instances, sorted."""
+        ...
+
+    async def acquire_lease(self, source: GroupPartition, instance: str, ttl_ms: int) -> int:
+        """Take the partition's lease if free or expired (or held under ``instance``'s own name): the new
+        token, or 0."""
+        ...
+
+    async def renew_leases(self, held: Sequence[tuple[GroupPartition, int]], instance: str, ttl_ms: int) -> list[bool]:
+        """Renew (partition, token) leases in one round trip; False for each taken over meanwhile."""
+        ...
+
+    async def release_lease(self, source: GroupPartition, instance: str, token: int) -> bool:
+        """Free the lease (another instance may acquire it at once); False when the token is not current."""
+        ...
+
+    async def take_over(
+        self, source: GroupPartition, consumer: str, count: int, cursors: dict[str, str]
+    ) -> list[Delivery]:
+        """Claim up to ``count`` entries pending in the partition for anyone, oldest first (a new
+        owner's first step); ``cursors`` carries the scan from call to call."""
+        ...
+
+    def taken_over(self, cursors: dict[str, str]) -> bool:
+        """Whether the :meth:`take_over` scan with ``cursors`` has gone through every pending entry."""
         ...
 
 
@@ -393,9 +449,51 @@ class Connection(Protocol):
     redis: Any
     """The Redis client itself: ``ctx.redis`` hands it to handlers for their own reads. A second
     transport would offer None here (``ctx.redis`` is then None) or a client of its own."""
+    keyspace: KeySpace
+    """The key layout (:mod:`broker.keys`): sagas keep their state and timeouts under the keys
+    of their queue's partitions, in the same atomic commit as the inbox mark and the ack."""
 
 
-class Broker(Destinations, Publisher, GroupReader, Settler, DeadLetterAdmin, Connection, Protocol):
+class Scheduler(Protocol):
+    """Scheduled messages (stored by :meth:`Publisher.publish` when their ``deliver-at`` header lies
+    ahead) and recurring jobs' ticks. Moving, cancelling and firing are atomic: several processes
+    calling at once never deliver a message or fire a tick twice."""
+
+    async def move_scheduled(self, now_ms: int, *, limit: int = 1000, sweep: bool = False) -> MoveResult:
+        """Append due scheduled messages of the namespace to their partition streams."""
+        ...
+
+    async def cancel_scheduled(self, message_ids: Sequence[str], *, destination: str | None = None) -> int:
+        """Cancel scheduled messages by id; returns how many were still scheduled."""
+        ...
+
+    async def scheduled_messages(
+        self, *, destination: str | None = None, limit: int = 100, message_ids: Sequence[str] = ()
+    ) -> list[ScheduledMessage]:
+        """Scheduled messages, earliest due first (or those among ``message_ids``)."""
+        ...
+
+    async def count_scheduled(self, destination: str | None = None) -> int:
+        """How many messages wait for their due time."""
+        ...
+
+    async def fire_tick(self, queue: str, tick_ms: int, envelope: Envelope) -> int:
+        """Append a recurring job's tick to ``queue`` unless it (or a later tick) was fired:
+        1 fired, 0 fired before, -1 first tick seen (recorded, not fired)."""
+        ...
+
+
+class Broker(
+    Destinations,
+    Publisher,
+    GroupReader,
+    Settler,
+    PartitionOwnership,
+    DeadLetterAdmin,
+    Scheduler,
+    Connection,
+    Protocol,
+):
     """A message transport keeping the contract in this module's docstring: everything the
     framework calls on a broker (``tests/test_broker_conformance.py`` checks that framework code
     calls nothing else, and that :class:`~broker.RedisBroker` has all of it)."""

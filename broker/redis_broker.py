@@ -1,7 +1,7 @@
 """The Redis Streams transport: the Broker contract on Redis >= 6.2 or Valkey (single node or Cluster).
 
-:class:`RedisBroker` is one facade over five roles, each a module of ``broker/_redis/`` named for
-its job (topology, publishing, reading, settlement, administration). Why mixins rather than a
+:class:`RedisBroker` is one facade over six roles, each a module of ``broker/_redis/`` named for
+its job (topology, publishing, reading, settlement, administration, leases). Why mixins rather than a
 facade forwarding to five role objects:
 
 * the public methods stay exactly what they were (same names, signatures, docstrings and code),
@@ -16,17 +16,19 @@ facade forwarding to five role objects:
 from __future__ import annotations
 
 from broker._redis.administration import Administration
+from broker._redis.leases import Leases
 from broker._redis.publishing import Publishing
 from broker._redis.reading import Reading
 from broker._redis.settlement import Settlement
 
 __all__ = ["ROLES", "RedisBroker"]
 
-ROLES: tuple[type, ...] = (Publishing, Reading, Settlement, Administration)
-"""The role mixins :class:`RedisBroker` is made of (topology comes in through three of them)."""
+ROLES: tuple[type, ...] = (Publishing, Reading, Settlement, Administration, Leases)
+"""The role mixins :class:`RedisBroker` is made of (topology comes in through three of them; leases
+build on reading)."""
 
 
-class RedisBroker(Publishing, Reading, Settlement, Administration):
+class RedisBroker(Publishing, Leases, Reading, Settlement, Administration):
     """Broker on Redis Streams. Use :func:`broker.connect` to build one from a URL.
 
     One instance is safe to share between tasks of one event loop (not between threads or event

@@ -28,6 +28,14 @@ _NAMES = (
     "inbox_claim",
     "commit_effects",
     "publish_batch",
+    "lease",
+    "members",
+    "schedule_add",
+    "schedule_batch",
+    "schedule_move",
+    "schedule_cancel",
+    "schedule_read",
+    "job_tick",
 )
 
 
@@ -59,7 +67,9 @@ class Script:
 
     def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
         """Add a call to a pipeline; the caller handles NoScriptError results (see RedisBroker)."""
-        pipe.evalsha(self.sha, len(keys), *keys, *args)
+        # execute_command, not pipe.evalsha: redis-py's cluster pipeline blocks evalsha() but routes
+        # EVALSHA by its keys like any command.
+        pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
 
 _INCLUDE = "--#include "

@@ -27,6 +27,7 @@ from framework.middleware import CallNext, InboundMessage, Middleware, Outcome
 from framework.observability import enable_metrics, enable_tracing
 from framework.retries import HandlerTimeout, RetryAfter, RetryPolicy
 from framework.runtime import Runtime
+from framework.saga import Saga, SagaContext
 from framework.service import HandlerError, Queue, Service, Topic
 from framework.settings import RuntimeSettings
 
@@ -37,6 +38,9 @@ __all__ = [
     "Topic",
     "Context",
     "HandlerError",
+    # process managers: state per correlation id, one message per saga at a time
+    "Saga",
+    "SagaContext",
     # retries
     "RetryPolicy",
     "RetryAfter",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from datetime import datetime, timedelta
 from typing import Any
 
 import anyio.from_thread
@@ -19,9 +20,18 @@ from broker.codec import check_body_size
 from broker.codec import max_body_bytes as max_body_setting
 from framework._messages import Outgoing, build_envelope
 from framework.observability import hooks
+from framework.scheduling import with_due
 from framework.service import Queue, Topic
 
 __all__ = ["Batch", "Client", "SyncClient"]
+
+
+def _scheduled(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``delay``/``at`` turned into the ``deliver-at`` header."""
+    delay, at = options.pop("delay", None), options.pop("at", None)
+    if delay is not None or at is not None:
+        options["headers"] = with_due(dict(options.get("headers") or {}), delay, at)
+    return options
 
 
 class Batch:
@@ -31,14 +41,14 @@ class Batch:
         self.items: list[Outgoing] = []
 
     def send(self, queue: str | Queue, command: Any, **options: Any) -> str | None:
-        """Add a command; returns its message id."""
-        env, spec = build_envelope(queue, COMMAND, command, **options)
+        """Add a command; returns its message id (options as :meth:`Client.send`, ``delay``/``at`` too)."""
+        env, spec = build_envelope(queue, COMMAND, command, **_scheduled(options))
         self.items.append((env, spec))
         return env.id
 
     def publish(self, topic: str | Topic, event: Any, **options: Any) -> str | None:
-        """Add an event; returns its message id."""
-        env, spec = build_envelope(topic, EVENT, event, **options)
+        """Add an event; returns its message id (options as :meth:`Client.publish`, ``delay``/``at`` too)."""
+        env, spec = build_envelope(topic, EVENT, event, **_scheduled(options))
         self.items.append((env, spec))
         return env.id
 
@@ -116,17 +126,21 @@ class Client:
         type: str | None = None,
         idempotency_key: str | None = None,
         message_id: str | None = None,
+        delay: timedelta | float | None = None,
+        at: datetime | None = None,
     ) -> str | None:
         """Send a command to ``queue``; return its message id.
 
         None when ``idempotency_key`` was already used within the dedup window (nothing stored).
+        ``delay`` (seconds or timedelta, >= 0) or ``at`` (an aware datetime) schedules it: stored
+        now, delivered when due; :meth:`cancel_scheduled` takes the returned id.
         """
         item = build_envelope(
             queue,
             COMMAND,
             command,
             key=key,
-            headers=headers,
+            headers=with_due(dict(headers) if headers else None, delay, at),
             type=type,
             idempotency_key=idempotency_key,
             message_id=message_id,
@@ -144,17 +158,20 @@ class Client:
         type: str | None = None,
         idempotency_key: str | None = None,
         message_id: str | None = None,
+        delay: timedelta | float | None = None,
+        at: datetime | None = None,
     ) -> str | None:
         """Publish an event to ``topic``; return its message id.
 
         None when ``idempotency_key`` was already used within the dedup window (nothing stored).
+        ``delay``/``at`` schedule it, as for :meth:`send`.
         """
         item = build_envelope(
             topic,
             EVENT,
             event,
             key=key,
-            headers=headers,
+            headers=with_due(dict(headers) if headers else None, delay, at),
             type=type,
             idempotency_key=idempotency_key,
             message_id=message_id,
@@ -163,20 +180,47 @@ class Client:
         return None if entry is None else item[0].id
 
     async def send_many(
-        self, queue: str | Queue, commands: Iterable[Any], *, key: Callable[[Any], str] | None = None
+        self,
+        queue: str | Queue,
+        commands: Iterable[Any],
+        *,
+        key: Callable[[Any], str] | None = None,
+        delay: timedelta | float | None = None,
+        at: datetime | None = None,
     ) -> list[str]:
-        """Send many commands in one pipeline; ``key`` computes each one's key."""
-        items = [build_envelope(queue, COMMAND, c, key=key(c) if key else None) for c in commands]
+        """Send many commands in one pipeline; ``key`` computes each one's key; ``delay``/``at``
+        schedule them all (one due time)."""
+        headers = with_due(None, delay, at)
+        items = [build_envelope(queue, COMMAND, c, key=key(c) if key else None, headers=headers) for c in commands]
         await self._publish(items)
         return [env.id for env, _ in items]
 
     async def publish_many(
-        self, topic: str | Topic, events: Iterable[Any], *, key: Callable[[Any], str] | None = None
+        self,
+        topic: str | Topic,
+        events: Iterable[Any],
+        *,
+        key: Callable[[Any], str] | None = None,
+        delay: timedelta | float | None = None,
+        at: datetime | None = None,
     ) -> list[str]:
-        """Publish many events in one pipeline; ``key`` computes each one's key."""
-        items = [build_envelope(topic, EVENT, e, key=key(e) if key else None) for e in events]
+        """Publish many events in one pipeline; ``key`` computes each one's key; ``delay``/``at``
+        schedule them all (one due time)."""
+        headers = with_due(None, delay, at)
+        items = [build_envelope(topic, EVENT, e, key=key(e) if key else None, headers=headers) for e in events]
         await self._publish(items)
         return [env.id for env, _ in items]
+
+    async def cancel_scheduled(self, message_id: str, *, destination: str | None = None) -> bool:
+        """Cancel a message scheduled with ``delay``/``at``; False when it is no longer scheduled."""
+        broker = await self.connect()
+        return bool(await broker.cancel_scheduled([message_id], destination=destination))
+
+    async def scheduled(self, *, destination: str | None = None, limit: int = 100) -> list[Any]:
+        """Messages waiting for their due time, earliest first
+        (:class:`~broker._redis.scheduling.ScheduledMessage`)."""
+        broker = await self.connect()
+        return list(await broker.scheduled_messages(destination=destination, limit=limit))
 
     async def publish_envelopes(self, envelopes: Iterable[Envelope]) -> list[str | None]:
         """Publish prepared envelopes as they are (the outbox relay and tools use this)."""
@@ -226,6 +270,14 @@ class SyncClient:
     def publish(self, topic: str | Topic, event: Any, **options: Any) -> str | None:
         """See :meth:`Client.publish`."""
         return self._portal.call(lambda: self._client.publish(topic, event, **options))
+
+    def cancel_scheduled(self, message_id: str, *, destination: str | None = None) -> bool:
+        """See :meth:`Client.cancel_scheduled`."""
+        return self._portal.call(lambda: self._client.cancel_scheduled(message_id, destination=destination))
+
+    def scheduled(self, *, destination: str | None = None, limit: int = 100) -> list[Any]:
+        """See :meth:`Client.scheduled`."""
+        return self._portal.call(lambda: self._client.scheduled(destination=destination, limit=limit))
 
     def send_many(self, queue: str | Queue, commands: Iterable[Any], **options: Any) -> list[str]:
         """See :meth:`Client.send_many`."""

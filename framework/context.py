@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Mapping
 from contextlib import AbstractAsyncContextManager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from broker import COMMAND, EVENT, Delivery, Envelope, derive_id
@@ -14,6 +14,7 @@ from framework._messages import Outgoing, build_envelope
 from framework.effects import RedisEffects, sql_transaction
 from framework.logs import get_logger
 from framework.observability import hooks
+from framework.scheduling import with_due
 from framework.service import Handler, Queue, Topic
 
 __all__ = ["Context"]
@@ -207,11 +208,15 @@ class Context:
         key: str | None,
         headers: Mapping[str, str] | None,
         type: str | None,
+        delay: timedelta | float | None = None,
+        at: datetime | None = None,
     ) -> _Staged:
         env = self.envelope
         hdrs = {CORRELATION_ID: self.correlation_id, CAUSATION_ID: env.id}
         if headers:
             hdrs.update(headers)
+        if delay is not None or at is not None:  # checked now: the handler sees a bad delay, not the settle
+            hdrs = with_due(hdrs, delay, at) or hdrs
         message_id = derive_id(env.id, f"{self._handler.service}/{self._staged}")
         if hooks.TRACING:  # a PRODUCER span, child of this attempt's CONSUMER span; context into hdrs
             hooks.staged(hdrs, destination, message_id)
@@ -249,9 +254,14 @@ class Context:
         key: str | None = None,
         headers: Mapping[str, str] | None = None,
         type: str | None = None,
+        delay: timedelta | float | None = None,
+        at: datetime | None = None,
     ) -> _Staged:
-        """Stage a command for ``queue``; it is sent only if this handler succeeds."""
-        return self._stage(COMMAND, queue, command, key, headers, type)
+        """Stage a command for ``queue``; it is sent only if this handler succeeds.
+
+        ``delay`` (seconds or timedelta) or ``at`` (an aware datetime) schedules it: it is stored
+        when this handler succeeds and delivered when due (see :mod:`framework.scheduling`)."""
+        return self._stage(COMMAND, queue, command, key, headers, type, delay, at)
 
     def publish(
         self,
@@ -261,6 +271,9 @@ class Context:
         key: str | None = None,
         headers: Mapping[str, str] | None = None,
         type: str | None = None,
+        delay: timedelta | float | None = None,
+        at: datetime | None = None,
     ) -> _Staged:
-        """Stage an event for ``topic``; it is published only if this handler succeeds."""
-        return self._stage(EVENT, topic, event, key, headers, type)
+        """Stage an event for ``topic``; it is published only if this handler succeeds
+        (``delay``/``at``: then scheduled, as for :meth:`send`)."""
+        return self._stage(EVENT, topic, event, key, headers, type, delay, at)

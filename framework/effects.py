@@ -54,6 +54,13 @@ class RedisEffects:
         elif args:
             self.keys.append(str(args[0]))
 
+    def expect(self, key: str, field: str, value: str | int | None) -> None:
+        """A guard: apply nothing unless hash field ``key``/``field`` still holds ``value`` (None:
+        absent) at commit. A changed value makes the commit raise
+        :class:`~broker.errors.EffectsConflict` having written, sent and acked nothing."""
+        self.commands.append(("__EXPECT__", key, field, "" if value is None else str(value)))
+        self.keys.append(key)
+
     def __getattr__(self, name: str) -> Callable[..., None]:
         if name.startswith("_"):
             raise AttributeError(name)

@@ -23,6 +23,8 @@ from framework.retries import DEFAULT_RETRY, RetryPolicy
 
 if TYPE_CHECKING:
     from framework.middleware import Middleware
+    from framework.saga import Saga
+    from framework.scheduling import Job
 
 __all__ = ["Handler", "HandlerError", "Queue", "Service", "Topic"]
 
@@ -184,6 +186,7 @@ class Service:
         self.inbox = _inbox_mode(inbox, f"service {self.name!r}")
         self.timeout = _seconds(timeout, f"service {self.name!r}")
         self.handlers: list[Handler] = []
+        self.jobs: list[Job] = []  # recurring jobs (every/cron); each also has a handler on its queue
         self.middleware_chain: list[Middleware] = []
         for mw in middleware:
             self.middleware(mw)
@@ -242,6 +245,75 @@ class Service:
             raise HandlerError(f"{self.name}: start must be 'earliest' or 'latest', not {start!r}")
         dest = topic if isinstance(topic, Topic) else Topic(topic)
         return self._register(dest, retry, key, start, inbox, timeout)
+
+    def every(
+        self,
+        interval: timedelta | float,
+        *,
+        name: str | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: timedelta | float | None = None,
+    ) -> Callable[[F], F]:
+        """Declare a recurring job run every ``interval`` (seconds or timedelta, at least 1 s; ticks
+        fall on multiples of it since the Unix epoch). The handler takes ``(tick: Tick, ctx)``; each
+        tick runs once across all instances of the service (see :mod:`framework.scheduling`).
+        """
+        seconds = interval.total_seconds() if isinstance(interval, timedelta) else float(interval)
+        return self._job(name, retry, timeout, interval_ms=int(seconds * 1000))
+
+    def cron(
+        self,
+        expression: str,
+        *,
+        tz: str | None = None,
+        name: str | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: timedelta | float | None = None,
+    ) -> Callable[[F], F]:
+        """Declare a recurring job on a cron ``expression`` (``"0 3 * * *"``: 03:00 daily) in time
+        zone ``tz`` (an IANA name; UTC when None). Otherwise like :meth:`every`."""
+        return self._job(name, retry, timeout, cron=expression, tz=tz)
+
+    def saga(
+        self,
+        name: str,
+        *,
+        state: Callable[[], Any],
+        partitions: int = 4,
+        retry: RetryPolicy | None = None,
+        timeout: timedelta | float | None = None,
+        keep_completed: timedelta | float | None = None,
+    ) -> Saga[Any]:
+        """Declare a saga (process manager) of this service; its steps are declared on the returned
+        :class:`~framework.saga.Saga` (``@saga.event``, ``@saga.command``, ``@saga.timeout``)."""
+        from framework.saga import DEFAULT_KEEP_COMPLETED, Saga
+
+        keep = DEFAULT_KEEP_COMPLETED if keep_completed is None else keep_completed
+        return Saga(self, name, state=state, partitions=partitions, retry=retry, timeout=timeout, keep_completed=keep)
+
+    def _job(
+        self,
+        name: str | None,
+        retry: RetryPolicy | None,
+        timeout: timedelta | float | None,
+        **schedule: Any,
+    ) -> Callable[[F], F]:
+        from framework.scheduling import Job, ScheduleError
+
+        def decorator(fn: F) -> F:
+            job_name = name or getattr(fn, "__name__", None) or type(fn).__name__
+            queue = f"{self.name}.job.{job_name}"
+            try:
+                job = Job(service=self.name, name=job_name, queue=queue, **schedule)
+            except ScheduleError as exc:
+                raise HandlerError(f"{self.name}: {exc}") from None
+            if any(j.name == job_name for j in self.jobs):
+                raise HandlerError(f"{self.name}: a job named {job_name!r} is declared twice; pass name=")
+            self._register(Queue(queue), retry, None, "earliest", None, timeout)(fn)
+            self.jobs.append(job)
+            return fn
+
+        return decorator
 
     def _register(
         self,

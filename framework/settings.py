@@ -7,7 +7,7 @@ import os
 
 import attrs
 
-__all__ = ["RuntimeSettings", "inbox_memory_budget", "parse_bytes"]
+__all__ = ["RuntimeSettings", "inbox_memory_budget", "lease_ttl", "ownership_mode", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
@@ -33,6 +33,20 @@ def inbox_memory_budget() -> int:
     return parse_bytes(raw) if raw else 256 * 2**20
 
 
+_OWNERSHIP = ("partitioned", "all", "off")
+
+
+def ownership_mode() -> str:
+    """``$FRAMEWORK_OWNERSHIP`` (partitioned, all or off), else ``partitioned``."""
+    return os.environ.get("FRAMEWORK_OWNERSHIP", "").strip().lower() or "partitioned"
+
+
+def lease_ttl() -> float:
+    """``$FRAMEWORK_LEASE_TTL`` in seconds, else 5."""
+    raw = os.environ.get("FRAMEWORK_LEASE_TTL", "").strip()
+    return float(raw) if raw else 5.0
+
+
 _DURATIONS = (
     "visibility_timeout",
     "ack_interval",
@@ -41,6 +55,7 @@ _DURATIONS = (
     "retry_interval",
     "inbox_window",
     "group_commit_wait",
+    "lease_ttl",
 )
 
 
@@ -72,6 +87,14 @@ class RuntimeSettings:
                         64 (PostgreSQL's per-transaction cache of subtransactions)
     group_commit_wait   seconds a finished block waits at most for others to join its commit (plus
                         the rest of the block running at that moment): the latency group commit adds
+    ownership           which destinations' partitions are owned by one instance of a group at a
+                        time (docs/partition-ownership.md): ``partitioned`` (default) those with more than one
+                        partition, ``all`` every destination, ``off`` none (every instance reads every
+                        partition; per-key order holds only inside one process). Default
+                        ``$FRAMEWORK_OWNERSHIP``, else ``partitioned``
+    lease_ttl           seconds a partition's lease lasts without a heartbeat: an instance that dies
+                        or stalls loses its partitions this long after its last heartbeat (renewed
+                        every third of it). Default ``$FRAMEWORK_LEASE_TTL``, else 5
     sql_connections     connections per engine for ``ctx.sql_transaction`` blocks in this process,
                         so blocks on one engine run at most this many at a time (bounded by the
                         engine's pool size + overflow; logged when the engine is first used)
@@ -91,6 +114,8 @@ class RuntimeSettings:
     group_commit_size: int = 32
     group_commit_wait: float = 0.005
     sql_connections: int = 8
+    ownership: str = attrs.field(factory=lambda: ownership_mode())
+    lease_ttl: float = attrs.field(factory=lambda: lease_ttl())
 
     def __attrs_post_init__(self) -> None:
         for name in _DURATIONS:  # nan passes every comparison below (a nan lease crashes every task)
@@ -103,6 +128,10 @@ class RuntimeSettings:
             raise ValueError("group_commit_size and sql_connections must be at least 1")
         if self.group_commit_wait < 0:
             raise ValueError("group_commit_wait must not be negative")
+        if self.ownership not in _OWNERSHIP:
+            raise ValueError(f"ownership must be one of {', '.join(_OWNERSHIP)}, got {self.ownership!r}")
+        if self.lease_ttl < 0.3:
+            raise ValueError("lease_ttl must be at least 0.3 seconds")
         if self.visibility_timeout <= 0.1:
             raise ValueError("visibility_timeout must be more than 0.1 seconds")
 
@@ -110,6 +139,15 @@ class RuntimeSettings:
     def claim_interval(self) -> float:
         """Seconds between scans for entries other consumers left idle."""
         return min(max(self.visibility_timeout / 4, 0.1), 15.0)
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between heartbeats (and lease renewals) of partition ownership."""
+        return self.lease_ttl / 3
+
+    def owns_partitions(self, partitions: int) -> bool:
+        """Whether a destination with ``partitions`` partitions is consumed with partition ownership."""
+        return self.ownership == "all" or (self.ownership == "partitioned" and partitions > 1)
 
     @property
     def extend_interval(self) -> float:

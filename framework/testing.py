@@ -27,10 +27,10 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import redis
 
 from broker import EmbeddedServer, Envelope, RedisBroker, connect
 from broker.inspect import stored_messages
+from broker.sync_client import sync_client
 from framework.client import Client
 from framework.middleware import Middleware
 from framework.runtime import Runtime
@@ -59,8 +59,8 @@ def unique_namespace(prefix: str = "test") -> str:
 
 
 def delete_namespace(url: str, namespace: str) -> int:
-    """Delete every key under ``namespace`` (and only those); return how many."""
-    client = redis.Redis.from_url(url)
+    """Delete every key under ``namespace`` (and only those, on every node of a Cluster); return how many."""
+    client = sync_client(url)
     try:
         removed = 0
         batch: list[bytes] = []

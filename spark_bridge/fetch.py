@@ -1,7 +1,8 @@
 """Reading one partition's range on an executor: XRANGE pages, each checked for a retention gap.
 
 A Spark task gets an :class:`EventRange` (pickled: everything ``read()`` needs is in it) and
-reads the entries ``(after, until]`` of one partition stream with a plain sync client. Each page
+reads the entries ``(after, until]`` of one partition stream with a plain sync client (a cluster
+client on a Redis Cluster, so the task reads from the node owning the stream's slot). Each page
 is read in one MULTI together with ``XINFO STREAM``, so the check is exact: retention trims from
 the head, so ``entries-added - length`` entries are gone, and if that is more than the entries up
 to the last one read (``n``, carried in the offsets), unread events were deleted. The task then
@@ -47,6 +48,7 @@ class EventRange(InputPartition):
     fail_on_data_loss: bool
     fetch_size: int
     schema_json: str
+    cluster: bool = False  # a Redis Cluster (the driver checked): the task opens a cluster client
 
 
 def _lost(r: EventRange, cursor: str, count: int | None, info: StreamInfo) -> None:
@@ -76,7 +78,7 @@ def read_range(r: EventRange) -> Iterator[pa.RecordBatch]:
     if id_key(r.until) <= id_key(r.after):
         return
     builder = BatchBuilder(StructType.fromJson(orjson.loads(r.schema_json)), r.topic, r.partition)
-    client = open_client(r.url)
+    client = open_client(r.url, cluster=r.cluster)  # on a Cluster, reads go to the node owning the stream's slot
     cursor, n = r.after, r.after_n
     # Replies hold thousands of small lists; the cycle collector would walk them over and over (about
     # half the decode time) though nothing here forms a cycle. Refcounting frees everything.

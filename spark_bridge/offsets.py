@@ -23,6 +23,7 @@ from redis.exceptions import ResponseError
 
 from broker.errors import BrokerUnavailable, ConfigurationError
 from broker.keys import KeySpace
+from broker.sync_client import sync_client
 from broker.topology import DestinationSpec
 from spark_bridge.options import Position
 
@@ -30,10 +31,12 @@ __all__ = [
     "MAX_SEQ",
     "Offsets",
     "StreamInfo",
+    "SyncClient",
     "before",
     "cap",
     "fair_shares",
     "id_key",
+    "is_cluster_client",
     "limit_by_count",
     "load_topics",
     "open_client",
@@ -42,6 +45,8 @@ __all__ = [
 ]
 
 MAX_SEQ = 2**64 - 1
+SyncClient = redis.Redis | redis.RedisCluster
+"""What :func:`open_client` returns: a single-server or a Cluster client."""
 Offsets = dict[str, dict[str, dict[str, Any]]]
 """``{topic: {partition: {"id": last entry id read, "n": entries the stream had received up to it}}}``."""
 
@@ -71,6 +76,10 @@ def before(entry_id: str) -> str:
     return f"{ms - 1}-{MAX_SEQ}" if ms > 0 else "0-0"
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _later(a: str, b: str) -> str:
     return a if id_key(a) >= id_key(b) else b
 
@@ -79,15 +88,37 @@ def _earlier(a: str, b: str) -> str:
     return a if id_key(a) <= id_key(b) else b
 
 
-def open_client(url: str) -> redis.Redis:
-    """A sync client answering in RESP2 lists (the caller parses stream replies itself)."""
-    client = redis.Redis.from_url(url, protocol=2, socket_connect_timeout=5, socket_keepalive=True)
-    for command in ("XRANGE", "XREVRANGE", "XINFO STREAM"):
-        client.set_response_callback(command, lambda response, **_: response)
+def _raw(response: Any, **_: Any) -> Any:
+    return response
+
+
+def open_client(url: str, *, cluster: bool | None = None) -> SyncClient:
+    """A sync client answering in RESP2 lists (the caller parses stream replies itself).
+
+    A ``redis.RedisCluster`` when the server is a Cluster node (``cluster`` skips asking when the
+    caller knows): every command on one partition stream goes to the node owning its slot.
+    """
+    client: Any = sync_client(url, cluster=cluster, protocol=2, socket_connect_timeout=5, socket_keepalive=True)
+    # A cluster client parses replies on each node's client first: the raw callbacks go there.
+    targets = [n.redis_connection for n in client.get_nodes()] if isinstance(client, redis.RedisCluster) else [client]
+    for target in targets:
+        for command in ("XRANGE", "XREVRANGE", "XINFO STREAM"):
+            target.set_response_callback(command, _raw)
     return client
 
 
-def load_topics(client: redis.Redis, namespace: str, topics: Sequence[str], url: str) -> dict[str, DestinationSpec]:
+def is_cluster_client(client: Any) -> bool:
+    """Whether ``client`` (from :func:`open_client`) talks to a Redis Cluster."""
+    return isinstance(client, redis.RedisCluster)
+
+
+def _queue_seek(pipe: Any, sha: str, stream: str, after: str, until: str, count: int) -> None:
+    """Queue a call of ``_SEEK`` (loaded as ``sha``) on a pipeline of either client: redis-py's
+    cluster pipeline refuses ``Script`` objects and ``evalsha()``, but routes EVALSHA by its key."""
+    pipe.execute_command("EVALSHA", sha, 1, stream, after, until, count)
+
+
+def load_topics(client: SyncClient, namespace: str, topics: Sequence[str], url: str) -> dict[str, DestinationSpec]:
     """The registered spec of each topic; raise naming unknown topics, queues, or an unreachable broker."""
     keyspace = KeySpace(namespace)
     try:
@@ -150,7 +181,7 @@ class StreamInfo:
         return self.length > 0 and self.max_deleted != "0-0" and id_key(self.max_deleted) >= id_key(self.first)
 
 
-def stream_info(client: redis.Redis, streams: Sequence[str]) -> list[StreamInfo]:
+def stream_info(client: SyncClient, streams: Sequence[str]) -> list[StreamInfo]:
     """XINFO STREAM of every stream in one round trip."""
     pipe = client.pipeline(transaction=False)
     for stream in streams:
@@ -170,7 +201,7 @@ def _position(at: str, n: int | None) -> dict[str, Any]:
     return {"id": at, "n": n}
 
 
-def _count(client: redis.Redis, stream: str, after: str, until: str) -> int:
+def _count(client: SyncClient, stream: str, after: str, until: str) -> int:
     """Entries in ``(after, until]``, counted on the server in chunks."""
     seek = client.register_script(_SEEK)
     total = 0
@@ -182,7 +213,7 @@ def _count(client: redis.Redis, stream: str, after: str, until: str) -> int:
         after = last.decode()
 
 
-def _number_of(client: redis.Redis, stream: str, at: str, info: StreamInfo) -> int | None:
+def _number_of(client: SyncClient, stream: str, at: str, info: StreamInfo) -> int | None:
     """How many entries the stream had received up to ``at`` (counting from the nearer end)."""
     if info.added is None or info.deleted is None:
         return None
@@ -197,7 +228,7 @@ def _number_of(client: redis.Redis, stream: str, at: str, info: StreamInfo) -> i
 
 
 def resolve(
-    client: redis.Redis, specs: Mapping[str, DestinationSpec], namespace: str, position: Position, *, ending: bool
+    client: SyncClient, specs: Mapping[str, DestinationSpec], namespace: str, position: Position, *, ending: bool
 ) -> Offsets:
     """Turn a position (see :mod:`spark_bridge.options`) into an offset per partition.
 
@@ -257,7 +288,7 @@ def fair_shares(available: Sequence[int], budget: int) -> list[int]:
     return shares
 
 
-def limit_by_count(client: redis.Redis, namespace: str, start: Offsets, end: Offsets, max_events: int) -> Offsets:
+def limit_by_count(client: SyncClient, namespace: str, start: Offsets, end: Offsets, max_events: int) -> Offsets:
     """Move ``end`` back so that at most ``max_events`` entries lie between ``start`` and it, fairly spread."""
     keyspace = KeySpace(namespace)
     zero = _position("0-0", 0)
@@ -269,11 +300,11 @@ def limit_by_count(client: redis.Redis, namespace: str, start: Offsets, end: Off
     ]
     if not moving:
         return end
-    seek = client.register_script(_SEEK)
+    sha = _text(client.script_load(_SEEK))  # on every primary of a Cluster
     pipe = client.pipeline(transaction=False)
     for t, p in moving:
         after = start.get(t, {}).get(p, zero)["id"]
-        seek(keys=[keyspace.partition(t, int(p)).stream], args=[after, end[t][p]["id"], max_events], client=pipe)
+        _queue_seek(pipe, sha, keyspace.partition(t, int(p)).stream, after, end[t][p]["id"], max_events)
     shares = fair_shares([int(reply[0]) for reply in pipe.execute()], max_events)
     out = {t: dict(parts) for t, parts in end.items()}
     for (t, p), share in zip(moving, shares, strict=True):
@@ -285,7 +316,7 @@ def limit_by_count(client: redis.Redis, namespace: str, start: Offsets, end: Off
         # One MULTI: the count and the deletions it is measured against must be from the same moment.
         multi = client.pipeline(transaction=True)
         multi.execute_command("XINFO STREAM", stream)
-        seek(keys=[stream], args=[begin["id"], end[t][p]["id"], share], client=multi)
+        _queue_seek(multi, sha, stream, begin["id"], end[t][p]["id"], share)
         info_reply, (found, last) = multi.execute()
         info = StreamInfo(info_reply)
         if not last:

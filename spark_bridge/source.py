@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 import pyarrow as pa
-import redis
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
@@ -29,7 +28,17 @@ from pyspark.sql.types import StructType
 from broker.errors import BrokerUnavailable, ConfigurationError
 from broker.keys import KeySpace
 from spark_bridge.fetch import EventRange, read_range
-from spark_bridge.offsets import Offsets, cap, id_key, limit_by_count, load_topics, open_client, resolve
+from spark_bridge.offsets import (
+    Offsets,
+    SyncClient,
+    cap,
+    id_key,
+    is_cluster_client,
+    limit_by_count,
+    load_topics,
+    open_client,
+    resolve,
+)
 from spark_bridge.options import ReadOptions, parse_read_options
 from spark_bridge.rows import event_schema
 
@@ -145,11 +154,11 @@ class _Planner:
         self.opts = opts
         self.url = _url(opts, defaults)
         self.schema_json = schema.json()
-        self._client: redis.Redis | None = None
+        self._client: SyncClient | None = None
         self.specs = load_topics(self.client, opts.namespace, opts.topics, self.url)
 
     @property
-    def client(self) -> redis.Redis:
+    def client(self) -> SyncClient:
         if self._client is None:
             self._client = open_client(self.url)
         return self._client
@@ -185,6 +194,7 @@ class _Planner:
                             fail_on_data_loss=self.opts.fail_on_data_loss,
                             fetch_size=self.opts.fetch_size,
                             schema_json=self.schema_json,
+                            cluster=is_cluster_client(self.client),
                         )
                     )
         return out

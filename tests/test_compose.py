@@ -256,3 +256,27 @@ def _datasource_uids(node: object) -> set[str]:
         for value in node:
             found |= _datasource_uids(value)
     return found
+
+
+def test_the_cluster_profile_runs_three_cluster_nodes_and_a_one_shot_create() -> None:
+    services = _compose()["services"]
+    nodes = [f"valkey-node-{i}" for i in (1, 2, 3)]
+    for name in nodes:
+        svc = services[name]
+        assert svc["profiles"] == ["cluster"] and svc["image"].startswith("valkey/valkey:")
+        command = svc["command"]
+        assert command[0] == "valkey-server"
+        options = dict(zip(command[1::2], command[2::2], strict=True))
+        assert options["--cluster-enabled"] == "yes" and options["--appendonly"] == "yes"
+        assert options["--cluster-announce-hostname"] == name  # clients in the network reach every node
+        assert _REQUIRED_VAR.fullmatch(options["--requirepass"]) and options["--masterauth"] == options["--requirepass"]
+        assert "ports" not in svc  # announced names resolve only inside the compose network
+        assert f"{name}-data" in _compose()["volumes"]
+    init = services["valkey-cluster-init"]
+    assert init["profiles"] == ["cluster"] and init["restart"] == "no"
+    assert {n: d["condition"] for n, d in init["depends_on"].items()} == dict.fromkeys(nodes, "service_healthy")
+    script = init["command"][0]
+    assert "--cluster create" in script and "--cluster-replicas 0" in script and "--cluster-yes" in script
+    assert all(f"getent hosts {n}" in script for n in nodes)
+    assert _REQUIRED_VAR.fullmatch(init["environment"]["REDISCLI_AUTH"])  # valkey-cli's password, from .env
+    assert all("cluster" not in services[s].get("profiles", []) for s in ("valkey", "orders", "billing"))

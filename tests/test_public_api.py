@@ -1,8 +1,9 @@
 """The public surface is deliberate: ``framework`` exports exactly the listed names, each documented.
 
 Users import the names below from ``framework`` and the feature packages (``framework.testing``,
-``framework.outbox``, ``framework.dead_letters``, ``framework.sql``, the ``framework`` command). A
-name added to or dropped from a surface fails here, so it is a decision, not an accident.
+``framework.outbox``, ``framework.dead_letters``, ``framework.scheduling``, ``framework.sql``, the
+``framework`` command). A name added to or dropped from a surface fails here, so it is a decision,
+not an accident.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ PUBLIC = {
         "Topic",
         "Context",
         "HandlerError",
+        "Saga",
+        "SagaContext",
         "RetryPolicy",
         "RetryAfter",
         "HandlerTimeout",
@@ -71,6 +74,8 @@ PUBLIC = {
         "unique_namespace",
     },
     "framework.dead_letters": {"DeadLetter", "DeadLetters"},
+    "framework.scheduling": {"Job", "ScheduleError", "Tick", "cancel", "due_ms", "scheduled"},
+    "framework.saga": {"MAX_CONFLICTS", "SAGA_INPUT", "Saga", "SagaContext", "SagaError", "SagaRetryPolicy"},
     "framework.outbox": {
         "NOTIFY_CHANNEL",
         "SHARDS",

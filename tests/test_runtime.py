@@ -66,6 +66,9 @@ async def test_commands_reach_exactly_one_of_two_competing_runtimes(redis_url: s
         async with anyio.create_task_group() as tg:
             await tg.start(a.run)
             await tg.start(b.run)
+            with anyio.fail_after(15):  # partitions are owned (partitions > 1): wait until b has its share
+                while not (a.consumers[0].states and b.consumers[0].states):
+                    await anyio.sleep(0.05)
             await h.client.send_many("jobs", [{"n": str(i)} for i in range(500)], key=lambda c: c["n"])
             await a.wait_idle()
             await b.wait_idle()

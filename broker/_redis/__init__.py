@@ -9,6 +9,8 @@ Internal: import :class:`~broker.RedisBroker`, not these modules. Each role is a
     reading.py         group reads, own pending, claims, leases (extend), the inbox check, channels
     settlement.py      ack, commit_effects, attempts, dead letter, retry later, due retries, retention
     administration.py  dead letters (list, redrive, purge), unsubscribe, delete a destination
+    leases.py          partition ownership: instances' heartbeats, partition leases, take-over of pending entries
+    scheduling.py      scheduled messages (stored until due, moved atomically, cancelled) and job ticks
 
 The key layout is in ``broker/keys.py``; each Lua script in ``broker/lua/`` documents its keys.
 """

@@ -84,13 +84,15 @@ class Administration(Topology):
                     await self.redis.xgroup_destroy(stream, group)
             keys = view.keys
             await self.delete_inbox(view)
-            await self.redis.delete(keys.redeliver, keys.delayed, keys.dlq, keys.inbox, keys.attempts)
+            await self.redis.delete(keys.redeliver, keys.delayed, keys.dlq, keys.inbox, keys.attempts, keys.lease)
+        await self.redis.delete(self.keyspace.members(spec.name, group))
         await self.redis.hdel(self.keyspace.subscriptions, f"{spec.name}|{group}")
 
     async def delete_destination(self, spec: DestinationSpec, *, force: bool = False) -> int:
         """Delete ``spec`` and every key it has; return how many keys were deleted.
 
-        Goes: each partition's stream and producer idempotency keys, the retry, delayed,
+        Goes: each partition's stream, producer idempotency keys, scheduled messages (counted as
+        stored entries) and recurring-job state, the retry, delayed,
         dead-letter, inbox and attempt keys of every group (registered, or present on a stream),
         then its registry entries (last, so an interrupted delete can be run again: ``unsubscribe``
         also drops its registry entry last). Refuses with ConfigurationError while a group is
@@ -102,6 +104,7 @@ class Administration(Topology):
             stream = self.keyspace.partition(spec.name, p).stream
             groups |= {text(info["name"]) for info in await self.stream_groups(stream)}
             entries += int(await self.redis.xlen(stream))
+            entries += int(await self.redis.zcard(self.keyspace.partition(spec.name, p).scheduled))  # scheduled too
         if (groups or entries) and not force:
             raise ConfigurationError(
                 f"{spec.name!r} still has {len(groups)} consumer group(s) ({', '.join(sorted(groups)) or 'none'}) "
@@ -111,7 +114,7 @@ class Administration(Topology):
         deleted = 0
         for p in range(spec.partitions):
             pkeys = self.keyspace.partition(spec.name, p)
-            keys = {pkeys.stream, pkeys.published}
+            keys = {pkeys.stream, pkeys.published, pkeys.scheduled, pkeys.scheduled_envelopes, pkeys.job}
             for group in groups:
                 g = pkeys.group(group)
                 keys |= {g.redeliver, g.delayed, g.dlq, g.inbox, g.attempts}

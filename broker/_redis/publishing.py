@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from broker._redis.core import ScriptCall, text
-from broker._redis.topology import Topology
+from broker._redis.scheduling import Scheduling, due_of
 from broker.codec import check_body_size, encode_fields
 from broker.envelope import Envelope, now_ms
 from broker.headers import IDEMPOTENCY_KEY
@@ -29,8 +29,8 @@ def partition_of(spec: DestinationSpec, env: Envelope, idem: str | None) -> int:
     return spec.partition_for(env.key, idem or env.id)
 
 
-class Publishing(Topology):
-    """Appends envelopes to their partition streams."""
+class Publishing(Scheduling):
+    """Appends envelopes to their partition streams (or stores them until due: see scheduling)."""
 
     async def publish(self, envelopes: Sequence[Envelope], *, dedup_window_ms: int | None = None) -> list[str | None]:
         """Append envelopes in one round trip; return entry ids (None where an idempotency key repeated).
@@ -44,7 +44,9 @@ class Publishing(Topology):
         repeats without a message key land in one partition and are caught there. Repeats that
         carry different message keys may land in different partitions and are then not caught.
         A body over :attr:`max_body_bytes` raises :class:`~broker.errors.MessageTooLarge` and
-        nothing of the call is stored.
+        nothing of the call is stored. An envelope whose ``deliver-at`` header
+        (:data:`~broker.headers.DELIVER_AT`, Unix ms) lies in the future is stored until then
+        (:mod:`broker._redis.scheduling`; its reply is its message id); a past one is appended now.
         """
         if not envelopes:
             return []
@@ -55,12 +57,31 @@ class Publishing(Topology):
         calls: list[ScriptCall] = []
         batches: dict[str, tuple[int, list[int], list[Any]]] = {}  # stream -> (call index, positions, args)
         slots: list[tuple[int, int]] = []  # per envelope: (call index, position in that call's reply; -1: whole)
+        scheduled: dict[tuple[str, int], int] = {}  # (destination, partition) -> earliest due ms
+        now = now_ms()
         for env in envelopes:
             spec = self._specs.get(env.destination)
             if spec is None or spec.kind != env.kind:  # the cache inline: this loop may run 10k times a call
                 spec = await self.route(env.destination, env.kind)
             idem = env.headers.get(IDEMPOTENCY_KEY) if env.headers else None
             pkeys = self._partition_keys(spec.name, partition_of(spec, env, idem))
+            due = due_of(env) if env.headers else None
+            if due is not None and due > now:
+                where = (spec.name, pkeys.partition)
+                scheduled[where] = min(due, scheduled.get(where, due))
+                if idem:  # checked and recorded in the partition, like publish_once
+                    slots.append((len(calls), -1))
+                    calls.append(self._schedule_call(pkeys, env, due, now, window))
+                    continue
+                batch = batches.get(pkeys.scheduled)
+                if batch is None or len(batch[2]) > _BATCH_ARGS:
+                    batch = batches[pkeys.scheduled] = (len(calls), [], [])
+                    calls.append(("schedule_batch", [pkeys.scheduled, pkeys.scheduled_envelopes], batch[2]))
+                fields = encode_fields(env)
+                slots.append((batch[0], len(batch[1])))
+                batch[1].append(1)
+                batch[2].extend((env.id, due, len(fields), *fields))
+                continue
             fields = encode_fields(env)
             if idem:
                 batches.pop(pkeys.stream, None)  # later entries of this stream go after it: order kept
@@ -75,6 +96,8 @@ class Publishing(Topology):
             batch[1].append(1)
             batch[2].append(len(fields))
             batch[2].extend(fields)
+        if scheduled:  # the index first: a crash before the store leaves a stale hint, not a lost message
+            await self._index_scheduled(scheduled)
         replies = await self._run_pipeline(calls)
         out: list[str | None] = []
         for call, position in slots:

@@ -2,6 +2,12 @@
 
 Every step that settles a delivery is one script call that does nothing when the entry is no
 longer pending (another consumer settled it), so settling twice is harmless.
+
+Fencing: each settle call takes the caller's ``token`` for the partition's lease (partition
+ownership, :mod:`broker._redis.leases`); the script compares it with the lease's current token
+(one HGET) and, when another instance acquired the partition since, changes nothing and the
+call raises :class:`~broker.errors.LeaseLost`. ``token=None`` (the partition is not owned) skips
+the check.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from broker._redis.reading import SCRIPT_CHUNK
 from broker._redis.topology import Topology
 from broker.codec import encode_fields
 from broker.envelope import Envelope, now_ms
-from broker.errors import EffectsFailed
+from broker.errors import EffectsConflict, EffectsFailed, LeaseLost
 from broker.headers import DLQ_ERROR_MESSAGE, DLQ_ERROR_TYPE, DLQ_REASON, FIRST_FAILED_AT, IDEMPOTENCY_KEY
 from broker.keys import compact_id
 from broker.protocol import Delivery, GroupPartition
@@ -26,6 +32,20 @@ from broker.wire import Channel
 __all__ = ["Settlement"]
 
 _SCRIPT_REASON = (DLQ_REASON, DLQ_ERROR_TYPE, DLQ_ERROR_MESSAGE)  # written by commit_effects.lua itself
+
+_FENCED = -1  # what a settle script returns when the caller's fencing token is no longer current
+_CONFLICT = -2  # what commit_effects.lua returns when a guard (RedisEffects.expect) failed
+
+
+def _fence(token: int | None) -> str:
+    return "" if token is None else str(token)
+
+
+def _lost(source: GroupPartition) -> LeaseLost:
+    return LeaseLost(
+        f"partition {source.partition} of {source.spec.name!r} is owned by another instance of {source.group!r} now "
+        "(this instance's lease expired): nothing was settled; the new owner delivers the entries again"
+    )
 
 
 class Settlement(Topology):
@@ -38,8 +58,11 @@ class Settlement(Topology):
         *,
         inbox: bool = False,
         channel: Channel | None = None,
+        token: int | None = None,
     ) -> int:
-        """Acknowledge deliveries in one round trip; with ``inbox`` also record their message ids."""
+        """Acknowledge deliveries in one round trip; with ``inbox`` also record their message ids.
+
+        Raises :class:`~broker.errors.LeaseLost` when ``token`` is no longer current (nothing acked)."""
         if not deliveries:
             return 0
         by_stream: dict[str, list[Delivery]] = defaultdict(list)
@@ -48,7 +71,8 @@ class Settlement(Topology):
         now = now_ms()
         calls: list[ScriptCall] = []
         keys = source.keys
-        script_keys = [keys.inbox, keys.attempts]
+        script_keys = [keys.inbox, keys.attempts, keys.lease]
+        fence = _fence(token)
         for stream, items in by_stream.items():
             delete = "1" if source.deletes_on_ack(stream) else "0"
             for i in range(0, len(items), SCRIPT_CHUNK):
@@ -66,11 +90,15 @@ class Settlement(Topology):
                     *marks,
                     *map(compact_id, marks),
                     *counters,
+                    fence,
                 ]
                 calls.append(("ack", [stream, *script_keys], args))
-        if channel is not None:
-            return sum(int(r) for r in await self._run_on(channel, calls))
-        return sum(int(r) for r in await self._run_pipeline(calls))
+        replies = [
+            int(r) for r in await (self._run_on(channel, calls) if channel is not None else self._run_pipeline(calls))
+        ]
+        if _FENCED in replies:
+            raise _lost(source)
+        return sum(replies)
 
     async def commit_effects(
         self,
@@ -80,6 +108,7 @@ class Settlement(Topology):
         outgoing: Sequence[Envelope] = (),
         *,
         reason: Mapping[str, str] = {},
+        token: int | None = None,
     ) -> bool:
         """Apply ``commands``, publish ``outgoing`` (routed with :meth:`route`), mark the inbox and ack, atomically.
 
@@ -96,7 +125,10 @@ class Settlement(Topology):
         releases its inbox lease (a redrive runs the handler again) and drops its attempts
         counter; then :class:`~broker.errors.EffectsFailed` is raised (``applied`` may be 0).
         Server states that refuse every write (OOM, READONLY) raise the redis error instead,
-        having changed nothing; the entry stays pending.
+        having changed nothing; the entry stays pending. A ``token`` no longer current raises
+        :class:`~broker.errors.LeaseLost`, having changed nothing. A guard command
+        (``["__EXPECT__", key, field, value]`` among ``commands``) that does not hold raises
+        :class:`~broker.errors.EffectsConflict`, having changed nothing (the entry stays pending).
         """
         source = delivery.source
         calls: list[list[Any]] = [list(c) for c in commands]
@@ -114,7 +146,15 @@ class Settlement(Topology):
         pairs = len(flat) // 2
         for c in calls:
             flat += (len(c), *c)
-        script_keys = [delivery.stream, source.keys.inbox, source.keys.attempts, source.keys.dlq, *keys, *out_keys]
+        script_keys = [
+            delivery.stream,
+            source.keys.inbox,
+            source.keys.attempts,
+            source.keys.dlq,
+            source.keys.lease,
+            *keys,
+            *out_keys,
+        ]
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
         args = [
             source.group,
@@ -126,8 +166,16 @@ class Settlement(Topology):
             len(outgoing),
             pairs,
             *flat,
+            _fence(token),
         ]
         reply = await self.scripts["commit_effects"](self.redis, script_keys, args)
+        if reply == _FENCED:
+            raise _lost(source)
+        if reply == _CONFLICT:
+            raise EffectsConflict(
+                f"message {delivery.message_id}: a guarded value changed since the handler read it; nothing was "
+                "written, sent or acknowledged (run the handler again)"
+            )
         if isinstance(reply, list):
             dead, error, applied = reply
             raise EffectsFailed(text(dead), text(error), int(applied))
@@ -155,8 +203,10 @@ class Settlement(Topology):
             pipe.hsetnx(d.source.keys.attempts, d.message_id, 1)
         return [bool(int(r)) for r in await pipe.execute()]
 
-    async def dead_letter(self, delivery: Delivery, reason: dict[str, str]) -> str | None:
-        """Write the delivery's fields plus ``reason`` to the group's DLQ and ack it, atomically."""
+    async def dead_letter(self, delivery: Delivery, reason: dict[str, str], *, token: int | None = None) -> str | None:
+        """Write the delivery's fields plus ``reason`` to the group's DLQ and ack it, atomically.
+
+        Raises :class:`~broker.errors.LeaseLost` when ``token`` is no longer current (nothing done)."""
         source = delivery.source
         flat: list[Any] = []
         for k, v in delivery.fields.items():
@@ -168,16 +218,21 @@ class Settlement(Topology):
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
         reply = await self.scripts["dead_letter"](
             self.redis,
-            [delivery.stream, source.keys.dlq, source.keys.inbox, source.keys.attempts],
-            [source.group, delivery.entry_id, delete, delivery.message_id, *flat],
+            [delivery.stream, source.keys.dlq, source.keys.inbox, source.keys.attempts, source.keys.lease],
+            [source.group, delivery.entry_id, delete, delivery.message_id, *flat, _fence(token)],
         )
+        if reply == _FENCED:
+            raise _lost(source)
         return None if reply is None else text(reply)
 
-    async def retry_later(self, delivery: Delivery, due_ms: int, *, attempt: int | None = None) -> bool:
+    async def retry_later(
+        self, delivery: Delivery, due_ms: int, *, attempt: int | None = None, token: int | None = None
+    ) -> bool:
         """Park the delivery until ``due_ms`` for its group only, atomically with its ack.
 
         The parked copy carries ``attempt + 1`` (default: the delivery's attempt) and the time of
-        its first failure (field ``first-failed-at``), which dead letters report.
+        its first failure (field ``first-failed-at``), which dead letters report. Raises
+        :class:`~broker.errors.LeaseLost` when ``token`` is no longer current (nothing done).
         """
         if delivery.envelope is None:
             raise ValueError("an undecodable delivery cannot be retried; dead-letter it")
@@ -191,9 +246,11 @@ class Settlement(Topology):
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
         reply = await self.scripts["retry_later"](
             self.redis,
-            [delivery.stream, source.keys.delayed, source.keys.inbox, source.keys.attempts],
-            [source.group, delivery.entry_id, delete, due_ms, delivery.message_id, *flat],
+            [delivery.stream, source.keys.delayed, source.keys.inbox, source.keys.attempts, source.keys.lease],
+            [source.group, delivery.entry_id, delete, due_ms, delivery.message_id, *flat, _fence(token)],
         )
+        if reply == _FENCED:
+            raise _lost(source)
         return bool(reply)
 
     async def move_due(self, source: GroupPartition, now_ms: int, limit: int = 500) -> int:

@@ -5,6 +5,9 @@
 --          inbox's buckets (inbox_store.lua) and its lease removed; any other id gets a final score
 --          (now) in the zset, replacing its lease
 -- KEYS[3]  the group's attempts hash  (message id -> attempts started on redeliveries)
+-- KEYS[4]  the partition's lease hash for the group (lease.lua): the fencing check (optional: no
+--          check without it)
+-- ARGV[#ARGV]  with KEYS[4]: the caller's fencing token, or '' when the partition is not owned (no check)
 -- ARGV[1]  group
 -- ARGV[2]  "1" to XDEL the entries after XACK (queues, redeliver streams), "0" to keep them (topics)
 -- ARGV[3]  now, Unix ms
@@ -13,8 +16,10 @@
 -- ARGV[6]  k, message ids whose attempt counters to drop, after those
 -- ARGV[7 ..]  the n entry ids, the m inbox ids (text), their m 16-byte forms ('' for other ids:
 --             broker.keys.compact_id), the k counter ids
--- Returns the number of entries acknowledged.
+-- Returns the number of entries acknowledged, or -1 (nothing done) when the fencing token is not current.
 --#include inbox_store
+local fence = KEYS[4] and ARGV[#ARGV] or ''
+if fence ~= '' and redis.call('HGET', KEYS[4], 'token') ~= fence then return -1 end  -- fenced: no effect
 local n, m, k = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 -- unpack(ARGV, from, to) passes slices without copying them into tables first
 local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 7, 6 + n))

@@ -7,7 +7,8 @@
 --          (inbox_store.lua, included below), their lease removed from the zset
 -- KEYS[3]  the group's attempts hash
 -- KEYS[4]  the group's DLQ stream (written only when the writes fail half-way)
--- KEYS[5 ..]  the keys the writes and outgoing messages touch (declared for Cluster routing)
+-- KEYS[5]  the partition's lease hash for the group (lease.lua): the fencing check
+-- KEYS[6 ..]  the keys the writes and outgoing messages touch (declared for Cluster routing)
 -- ARGV[1]  group
 -- ARGV[2]  "1" to XDEL the entry after XACK
 -- ARGV[3]  now, Unix ms
@@ -18,10 +19,15 @@
 -- ARGV[8]  r: number of field/value pairs of the dead-letter reason that follow
 -- ARGV[9 .. 8 + 2r]  the reason pairs (dlq-handler, dlq-attempts, ...)
 -- ARGV[9 + 2r ..]  n + m commands; each is: argument count c, then c arguments
+-- ARGV[#ARGV]  the caller's fencing token, or '' when the partition is not owned (no check)
+-- A handler command {'__EXPECT__', key, field, value} (RedisEffects.expect) is a guard, not a write:
+-- before any write, HGET key field must equal value ('' = absent), else nothing is done and -2 is
+-- returned (the entry stays pending; the caller runs the handler again: an optimistic check).
 --
 -- Returns 1 when the effects were applied; 0 when the message was a duplicate (only acked) or
 -- the entry is no longer pending for the group (settled already: nothing is done, so a commit
--- repeated after a failure below applies nothing again).
+-- repeated after a failure below applies nothing again); -1 (nothing done) when the fencing token
+-- is not current (another instance owns the partition now); -2 (nothing done) when a guard failed.
 --
 -- Redis has no rollback, so the commands run with pcall and stop at the first error. The commands
 -- before it stay applied (a retry would apply them twice), so this same call dead-letters the
@@ -33,6 +39,8 @@
 -- READONLY, NOREPLICAS) refuse the first write and the DLQ write alike, so the script raises
 -- having written nothing, and the entry stays pending.
 --#include inbox_store
+local fence = ARGV[#ARGV]
+if fence ~= '' and redis.call('HGET', KEYS[5], 'token') ~= fence then return -1 end  -- fenced: no effect
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[4], 1)
 if #pending == 0 then return 0 end
 -- unpack() below fails past about 8000 values (Lua's C stack), which would stop the script after
@@ -59,11 +67,19 @@ local done = (s and tonumber(s) >= 0) or (bin ~= '' and inbox_seen(KEYS[2], bin)
 if not done then
   local n, m, r = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
   local pos = 9 + 2 * r
+  for i = 1, n do  -- guards first: a failed one means nothing at all is written
+    local c = tonumber(ARGV[pos])
+    if ARGV[pos + 1] == '__EXPECT__' and (redis.call('HGET', ARGV[pos + 2], ARGV[pos + 3]) or '') ~= ARGV[pos + 4] then
+      return -2
+    end
+    pos = pos + c + 1
+  end
+  pos = 9 + 2 * r
   for i = 1, n + m do
     local c = tonumber(ARGV[pos])
     local cmd = {}
     for j = 1, c do cmd[j] = ARGV[pos + j] end
-    local res = redis.pcall(unpack(cmd))
+    local res = (cmd[1] == '__EXPECT__') and 1 or redis.pcall(unpack(cmd))
     if type(res) == 'table' and res.err then
       local err = res.err
       local what

@@ -7,9 +7,9 @@ arguments) or 1 (the broker, the database or the code failed).
 
 One module per command group, named for it: :mod:`~framework.cli.run`, :mod:`~framework.cli.status`,
 :mod:`~framework.cli.produce` (send, publish), :mod:`~framework.cli.server`,
-:mod:`~framework.cli.dead_letters` (dlq), :mod:`~framework.cli.destinations` (unsubscribe, delete)
-and :mod:`~framework.cli.outbox`; :mod:`~framework.cli.common` holds what they share. Those modules
-are internal: the public names are :func:`main` and :func:`build_parser`.
+:mod:`~framework.cli.dead_letters` (dlq), :mod:`~framework.cli.destinations` (unsubscribe, delete),
+:mod:`~framework.cli.outbox` and :mod:`~framework.cli.schedule`; :mod:`~framework.cli.common` holds
+what they share. Those modules are internal: the public names are :func:`main` and :func:`build_parser`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from framework.cli import dead_letters, destinations, outbox, produce, run, server, status
+from framework.cli import dead_letters, destinations, outbox, produce, run, schedule, server, status
 from framework.cli.args import log_level
 from framework.cli.common import Parser, run_command
 from framework.logs import configure_logging
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser = add_parser  # every sub-command accepts the logging options too
     # the order of `framework --help`
-    for group in (run, status, produce, server, dead_letters, destinations, outbox):
+    for group in (run, status, produce, server, dead_letters, destinations, outbox, schedule):
         group.register(sub)
     return parser
 

@@ -37,7 +37,12 @@ def _produce(kind: str) -> Callable[[argparse.Namespace], int]:
                     await _require_known(client.broker, args.destination, kind)
                 method = client.send if kind == "command" else client.publish
                 return await method(
-                    args.destination, payload, key=args.key, type=args.type, idempotency_key=args.idempotency_key
+                    args.destination,
+                    payload,
+                    key=args.key,
+                    type=args.type,
+                    idempotency_key=args.idempotency_key,
+                    delay=args.delay,
                 )
 
         message_id = anyio.run(go)
@@ -76,6 +81,17 @@ async def _require_known(broker: Any, name: str, kind: str) -> None:
     raise UsageError(f"unknown {noun} {name!r}{hint}; known {noun}s: {listed}; pass --create to declare it")
 
 
+def _seconds(text: str) -> float:
+    """A delay in seconds (>= 0) for ``--delay``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"the delay must be a finite number of seconds >= 0, not {text!r}")
+    return value
+
+
 def register(sub: Any) -> None:
     """Add ``send`` (a command to a queue) and ``publish`` (an event to a topic) to the ``framework`` command."""
     for name, kind, noun in (("send", "command", "queue"), ("publish", "event", "topic")):
@@ -90,5 +106,8 @@ def register(sub: Any) -> None:
         p.add_argument("--key", default=None, help="partition/ordering key")
         p.add_argument("--type", default=None, help="payload type name recorded in the envelope")
         p.add_argument("--idempotency-key", default=None, help="drop repeats of this key within the dedup window")
+        p.add_argument(
+            "--delay", type=_seconds, default=None, help="deliver after this many seconds (a scheduled message)"
+        )
         connection_options(p)
         p.set_defaults(func=_produce(kind))

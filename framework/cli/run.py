@@ -118,6 +118,7 @@ def run_services(args: argparse.Namespace) -> int:
         group_commit_size=args.group_commit_size,
         group_commit_wait=args.group_commit_ms / 1000,
         sql_connections=args.sql_connections,
+        **{k: v for k, v in (("ownership", args.ownership), ("lease_ttl", args.lease_ttl)) if v is not None},
     )
     runtime = Runtime(
         services, url=args.redis_url, namespace=args.namespace, settings=settings, outbox_database_url=args.outbox_relay
@@ -261,6 +262,21 @@ def register(sub: Any) -> None:
         default=8,
         help="connections per database engine for ctx.sql_transaction blocks in this process (default 8; "
         "bounded by the engine's pool)",
+    )
+    run.add_argument(
+        "--ownership",
+        choices=("partitioned", "all", "off"),
+        default=None,
+        help="which destinations' partitions one instance of a group owns at a time (leases; keeps a key's "
+        "order across processes): partitioned = those with partitions > 1, all, off (default "
+        "$FRAMEWORK_OWNERSHIP, else partitioned; docs/partition-ownership.md)",
+    )
+    run.add_argument(
+        "--lease-ttl",
+        type=positive_duration,
+        default=None,
+        help="seconds a partition lease lasts without a heartbeat: a dead worker's partitions move after "
+        "about this long (default $FRAMEWORK_LEASE_TTL, else 5)",
     )
     run.add_argument(
         "--outbox-relay",

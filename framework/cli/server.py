@@ -1,11 +1,16 @@
 """``framework server start|stop|status``: the per-user embedded Valkey that the other commands default to.
 
+With ``--cluster N`` the same actions manage a local Redis Cluster of N embedded Valkey masters
+(:mod:`broker.embedded_cluster`); the other commands use it through ``REDIS_URL``, which
+``start --cluster`` prints as a shell line reading the password file.
+
 Its output names the password file, never the password.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 from typing import Any
 
 __all__ = ["register"]
@@ -13,6 +18,8 @@ __all__ = ["register"]
 
 def manage_server(args: argparse.Namespace) -> int:
     """Start, stop or show the per-user embedded Valkey; exit status 3 when ``status`` finds it stopped."""
+    if args.cluster is not None:
+        return manage_cluster(args)
     from broker.embedded import EmbeddedServer
 
     server = EmbeddedServer(args.data_dir)
@@ -39,9 +46,58 @@ def manage_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def manage_cluster(args: argparse.Namespace) -> int:
+    """``--cluster``: start, stop or show the local cluster; exit status 3 when ``status`` finds it stopped."""
+    from broker.embedded_cluster import LocalCluster
+
+    cluster = LocalCluster(args.data_dir)
+    password_file = cluster.data_dir / "password"
+    if args.action == "start":
+        if args.cluster < 1:
+            raise SystemExit("framework server: --cluster needs a number of masters, at least 1 (e.g. --cluster 3)")
+        cluster.ensure_running(args.cluster, base_port=args.port)
+        st = cluster.status()
+        ports = ", ".join(str(n.port) for n in st.nodes)
+        first = st.nodes[0].port
+        print(f"local cluster of {len(st.nodes)} Valkey masters running on 127.0.0.1 ports {ports}")
+        print(f"data in {cluster.data_dir}; password in {password_file}")
+        print("use it from a shell with:")
+        print(f'  export REDIS_URL="redis://:$(cat {shlex.quote(str(password_file))})@127.0.0.1:{first}/0"')
+    elif args.action == "stop":
+        print("stopped the local cluster" if cluster.stop() else f"local cluster not running (dir {cluster.data_dir})")
+    else:
+        st = cluster.status()
+        if not st.running:
+            print(f"local cluster not running (dir {st.data_dir}); start it with `framework server start --cluster 3`")
+            return 3
+        info = cluster.cluster_info()
+        print(f"running: {st.safe_url} (cluster_state:{info.get('cluster_state', '?')})")
+        print(f"data dir: {st.data_dir}")
+        for i, node in enumerate(st.nodes):
+            print(f"node {i}: port {node.port} (bus {node.bus_port}) pid {node.pid}")
+        print(f"password: in {password_file}")
+    return 0
+
+
 def register(sub: Any) -> None:
     """Add ``server`` to the ``framework`` command."""
-    server = sub.add_parser("server", help="manage the embedded Valkey server")
+    server = sub.add_parser("server", help="manage the embedded Valkey server (or a local cluster: --cluster N)")
     server.add_argument("action", choices=("start", "stop", "status"))
-    server.add_argument("--data-dir", default=None, help="default: $FRAMEWORK_HOME/valkey")
+    server.add_argument(
+        "--data-dir",
+        default=None,
+        help="default: $FRAMEWORK_HOME/valkey (with --cluster: $FRAMEWORK_HOME/valkey-cluster)",
+    )
+    server.add_argument(
+        "--cluster",
+        type=int,
+        nargs="?",
+        const=3,
+        default=None,
+        metavar="N",
+        help="a local Redis Cluster of N masters (default 3) instead of the single server",
+    )
+    server.add_argument(
+        "--port", type=int, default=None, help="with start --cluster: first node's port (then +1, +2...); default free"
+    )
     server.set_defaults(func=manage_server)

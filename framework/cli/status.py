@@ -4,6 +4,10 @@ A table on a terminal, ``--json`` for scripts; the figures come from :func:`brok
 The ``inbox`` column is the server memory a group's Redis inbox needs over its whole dedup window
 at its recent rate (bytes per id x ids per second x window); a footer line names every group past
 the budget (``--inbox-budget``, default ``$FRAMEWORK_INBOX_MEMORY_BUDGET``, else 256 MiB).
+
+Destinations whose partitions are owned (docs/partition-ownership.md) get a second table, one row per
+partition and group: the owning instance, how long it has held the lease, the fencing token, and
+the partition's pending and lag (``--json``: ``per_partition[].groups[].lease``).
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ def show_status(args: argparse.Namespace) -> int:
         console.print("no destinations declared yet (publish a message or run a service first)")
     else:
         console.print(_table(states, args.namespace or os.environ.get("FRAMEWORK_NAMESPACE") or "fw"))
+        owners = _owners_table(states)
+        if owners is not None:
+            console.print(owners)
         for line in warnings:
             console.print(line, markup=False, highlight=False)
     return 0
@@ -106,6 +113,28 @@ def _table(states: list[DestinationState], namespace: str) -> Any:
             )
             table.add_row(*head, *tail)
     return table
+
+
+def _owners_table(states: list[DestinationState]) -> Any:
+    """One row per owned partition and group (None when no partition is owned)."""
+    from rich.table import Table
+
+    table = Table(title="partition owners")
+    for col in ("destination", "partition", "group", "owner", "held for", "token", "pending", "lag"):
+        table.add_column(col, justify="left" if col in ("destination", "group", "owner") else "right")
+    rows = 0
+    for s in states:
+        for p in s.partitions:
+            for g in p.groups:
+                if g.lease is None:
+                    continue
+                rows += 1
+                owner = g.lease.owner or "(none)"
+                held = f"{g.lease.age_ms / 1000:,.1f} s" if g.lease.owner else ""
+                table.add_row(
+                    s.spec.name, str(p.partition), g.group, owner, held, str(g.lease.token), str(g.pending), str(g.lag)
+                )
+    return table if rows else None
 
 
 def register(sub: Any) -> None:

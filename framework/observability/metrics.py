@@ -239,7 +239,7 @@ def _prometheus_reader(port: int, host: str) -> Any:
 class _Tracked:
     """One running consumer: its attributes, counters and partitions."""
 
-    __slots__ = ("attributes", "consumer", "key", "partitions", "stats")
+    __slots__ = ("attributes", "consumer", "key", "partitions", "stats", "views")
 
     def __init__(self, consumer: Any) -> None:
         handler = consumer.handler
@@ -247,9 +247,12 @@ class _Tracked:
         self.attributes = consumer_attributes(*self.key)
         self.consumer = consumer
         self.stats = consumer.stats
+        # every partition of the group, owned here or not: lag and pending describe the group
+        views = getattr(consumer, "views", None)
+        self.views = list(views) if views is not None else [ledger.view for ledger in consumer.states.values()]
         self.partitions = {
-            ledger.partition: {**self.attributes, "messaging.destination.partition.id": str(ledger.partition)}
-            for ledger in consumer.states.values()
+            view.partition: {**self.attributes, "messaging.destination.partition.id": str(view.partition)}
+            for view in self.views
         }
 
 
@@ -356,10 +359,10 @@ async def refresh_runtime(runtime: Any) -> None:
 
     for t in _tracked.get(id(runtime), []):
         dead = 0
-        for ledger in t.consumer.states.values():
-            state = await group_state(runtime.broker, ledger.view)
-            where = (t.key, ledger.partition)
-            _group_attributes[where] = t.partitions[ledger.partition]
+        for view in t.views:
+            state = await group_state(runtime.broker, view)
+            where = (t.key, view.partition)
+            _group_attributes[where] = t.partitions[view.partition]
             _groups[where] = (state.lag, state.pending)
             dead += state.dead_letters
         _dead[t.key] = dead

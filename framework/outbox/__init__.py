@@ -52,6 +52,7 @@ from framework.outbox.schema import (
     sent_table,
     shards_table,
 )
+from framework.scheduling import with_due
 from framework.service import Queue, Topic
 from framework.sql import DatabaseUnavailable, create_engine
 
@@ -194,6 +195,8 @@ async def add(
     headers: Mapping[str, str] | None = None,
     type: str | None = None,
     message_id: str | None = None,
+    delay: timedelta | float | None = None,
+    at: datetime | None = None,
 ) -> str:
     """Add one message in the caller's transaction (never commits); return its message id.
 
@@ -201,6 +204,9 @@ async def add(
     :class:`~framework.Topic`/:class:`~framework.Queue` destination and required with a name.
     The message is published by a relay once the transaction commits, and never if it rolls back.
     ``add(conn, envelope)`` adds a prepared :class:`~broker.Envelope` as it is (its id kept).
+    ``delay`` (seconds or timedelta from now) or ``at`` (an aware datetime) schedules the message:
+    the relay stores it with the broker when it publishes, to be delivered when due (a due time
+    already past when the relay publishes is delivered at once). See :mod:`framework.scheduling`.
     """
     if isinstance(destination, Envelope):
         if payload is not _NO_PAYLOAD:
@@ -219,18 +225,19 @@ async def add(
                 f"say whether {destination!r} is a topic or a queue: kind='event' or kind='command' "
                 "(or use add_event / add_command)"
             )
+    headers = with_due(dict(headers) if headers else None, delay, at)
     outgoing = build_envelope(destination, kind, payload, key=key, headers=headers, type=type, message_id=message_id)
     await stage(conn, [outgoing])
     return outgoing[0].id
 
 
 async def add_event(conn: AsyncConnection, topic: str | Topic, event: Any, **options: Any) -> str:
-    """:func:`add` an event for ``topic``; same options (key, headers, type, message_id)."""
+    """:func:`add` an event for ``topic``; same options (key, headers, type, message_id, delay, at)."""
     return await add(conn, topic, event, kind=EVENT, **options)
 
 
 async def add_command(conn: AsyncConnection, queue: str | Queue, command: Any, **options: Any) -> str:
-    """:func:`add` a command for ``queue``; same options (key, headers, type, message_id)."""
+    """:func:`add` a command for ``queue``; same options (key, headers, type, message_id, delay, at)."""
     return await add(conn, queue, command, kind=COMMAND, **options)
 
 

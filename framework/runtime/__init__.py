@@ -36,6 +36,7 @@ from framework.observability import hooks
 from framework.runtime.consumer import Consumer
 from framework.runtime.identity import ConsumerIdentity
 from framework.runtime.lanes import LanePool
+from framework.runtime.scheduler import Scheduler
 from framework.runtime.supervisor import is_connection_error
 from framework.runtime.wiring import Wiring
 from framework.service import HandlerError, Service
@@ -162,6 +163,7 @@ class Runtime:
         assert self._stop is not None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.lanes.run)
+            tg.start_soon(Scheduler(self.broker, self.services).run)  # scheduled messages, recurring jobs
             for consumer in self.consumers:
                 tg.start_soon(consumer.run)
             if hooks.METRICS:  # lag, pending and dead letters, read every few seconds
@@ -290,8 +292,8 @@ class Runtime:
         if self.lanes.busy or self.in_flight:
             return False
         for consumer in self.consumers:
-            for state in consumer.states.values():
-                g = await group_state(self.broker, state.view)
+            for view in consumer.views:  # every partition, owned here or not
+                g = await group_state(self.broker, view)
                 if not g.idle or (include_delayed and g.delayed):
                     return False
         return True

@@ -1,4 +1,4 @@
-"""The consumer actor: one per handler, wiring its stages over every partition of its destination.
+"""The consumer actor: one per handler, wiring its stages over the partitions of its destination it runs.
 
 A message crosses each stage module once::
 
@@ -8,6 +8,10 @@ with the upkeep duties beside them (claim, extend, move due retries, trim, watch
 :class:`~framework.runtime.ledger.Ledger` per partition holding the accounts. This module starts
 the tasks and runs the lanes' batches (:meth:`Consumer.process`): take a work, attempt it, batch
 the successes for the settle stage.
+
+Which partitions: every one, or, with partition ownership (:mod:`framework.runtime.ownership`),
+the ones this instance holds a lease on; each of those runs in a *tenure* (:meth:`Consumer.serve`
+under a fresh ledger) from acquiring the lease to losing or handing it back.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from framework.runtime.attempt import Attempts
 from framework.runtime.fetch import Fetcher
 from framework.runtime.lanes import Batch
 from framework.runtime.ledger import ConsumerStats, Ledger, Slot
+from framework.runtime.ownership import Ownership
 from framework.runtime.settle import SETTLED, Finished, Settlement
 from framework.runtime.supervisor import is_connection_error, supervise
 from framework.runtime.upkeep import Upkeep, every, every_local
@@ -37,18 +42,23 @@ log = get_logger("framework.runtime.consumer")
 
 
 class Consumer:
-    """Runs one handler of one service over every partition of its destination."""
+    """Runs one handler of one service over the partitions of its destination (all, or those it owns)."""
 
     def __init__(self, wiring: Wiring, views: list[GroupPartition]) -> None:
         self.wiring = wiring
         self.handler = wiring.handler
         self.stats = wiring.stats
-        self.states = {v.partition: Ledger(v) for v in views}  # partition -> its ledger
+        self.views = list(views)  # every partition of the destination
+        owned = bool(views) and wiring.settings.owns_partitions(views[0].spec.partitions)
+        # partition -> its ledger: every partition, or (ownership) the ones held now
+        self.states: dict[int, Ledger] = {} if owned else {v.partition: Ledger(v) for v in views}
+        self._all = [Ledger(v) for v in views] if owned else list(self.states.values())  # for trim only
         self.settle = Settlement(wiring)
         self.attempts = Attempts(wiring, self.settle)
         self.admission = Admission(wiring, self.settle, self)
         self.fetcher = Fetcher(wiring, self.admission)
         self.upkeep = Upkeep(wiring, self.admission)
+        self.ownership = Ownership(wiring, self, self.views) if owned else None
         self._fetch_scopes: list[anyio.CancelScope] = []
         self._fetching = True
         self._log = wiring.log
@@ -61,30 +71,62 @@ class Consumer:
         upkeep = self.upkeep
         label = self.handler.label
         async with anyio.create_task_group() as tg:
-            for ledger in self.states.values():
-                name = f"{label}[{ledger.partition}]"
-                tg.start_soon(self._fetch_guarded, ledger, name)
-                tg.start_soon(supervise, f"{name}.acks", self.settle.ack_loop, ledger)
-                tg.start_soon(supervise, f"{name}.claims", every, settings.claim_interval, upkeep.claim, ledger)
-                tg.start_soon(supervise, f"{name}.extend", every, settings.extend_interval, upkeep.extend, ledger)
-                tg.start_soon(supervise, f"{name}.retries", every, settings.retry_interval, upkeep.move_due, ledger)
-            ledgers = list(self.states.values())
-            tg.start_soon(supervise, f"{label}.trim", every, settings.trim_interval, upkeep.trim, ledgers)
+            if self.ownership is None:
+                for ledger in self.states.values():
+                    tg.start_soon(self.serve, ledger)
+            else:
+                tg.start_soon(supervise, f"{label}.ownership", self.ownership.run)
+            tg.start_soon(supervise, f"{label}.trim", every, settings.trim_interval, upkeep.trim, self._all)
             if self.handler.timeout is not None:
                 interval = min(1.0, self.handler.timeout / 4)
-                watch = lambda: upkeep.watch(ledgers)  # noqa: E731 - a duty with no arguments
+                watch = lambda: upkeep.watch(list(self.states.values()))  # noqa: E731 - a duty with no arguments
                 tg.start_soon(supervise, f"{label}.watchdog", every_local, interval, watch)
+
+    async def serve(
+        self, ledger: Ledger, intake: anyio.CancelScope | None = None, intake_done: anyio.Event | None = None
+    ) -> None:
+        """Run one partition's tasks until cancelled: fetch, acks, claims, extend, due retries.
+
+        ``intake`` (ownership: a hand-back cancels it first) scopes the tasks that bring messages in
+        (fetch, claims, due retries); acks and the extender go on until the whole call is cancelled.
+        ``intake_done`` is set once those have ended (the fetcher's connection is closed: no read of
+        it is still blocked on the server).
+        """
+        settings = self.wiring.settings
+        upkeep = self.upkeep
+        name = f"{self.handler.label}[{ledger.partition}]"
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(supervise, f"{name}.acks", self.settle.ack_loop, ledger)
+            tg.start_soon(supervise, f"{name}.extend", every, settings.extend_interval, upkeep.extend, ledger)
+            try:
+                with intake or anyio.CancelScope():
+                    async with anyio.create_task_group() as intake_tg:
+                        intake_tg.start_soon(self._fetch_guarded, ledger, name)
+                        intake_tg.start_soon(
+                            supervise, f"{name}.claims", every, settings.claim_interval, upkeep.claim, ledger
+                        )
+                        intake_tg.start_soon(
+                            supervise, f"{name}.retries", every, settings.retry_interval, upkeep.move_due, ledger
+                        )
+            finally:
+                if intake_done is not None:
+                    intake_done.set()
 
     async def _fetch_guarded(self, ledger: Ledger, name: str) -> None:
         with anyio.CancelScope() as scope:
             self._fetch_scopes.append(scope)
-            if not self._fetching:
-                scope.cancel()
-            await supervise(f"{name}.fetch", self.fetcher.run, ledger)
+            try:
+                if not self._fetching:
+                    scope.cancel()
+                await supervise(f"{name}.fetch", self.fetcher.run, ledger)
+            finally:
+                self._fetch_scopes.remove(scope)
 
     def stop_fetching(self) -> None:
         """Stop reading new entries (graceful shutdown); in-flight work goes on."""
         self._fetching = False
+        if self.ownership is not None:
+            self.ownership.stopped = True  # acquire nothing more; the leases are freed at the hand-over
         for scope in self._fetch_scopes:
             scope.cancel()
 
@@ -99,8 +141,12 @@ class Consumer:
             await self.settle.flush(ledger)
 
     async def hand_over(self) -> int:
-        """At shutdown: make what this consumer holds but does not run claimable by others at once."""
-        return await self.upkeep.hand_over(self.states.values())
+        """At shutdown: make what this consumer holds but does not run claimable by others at once
+        (and, with ownership, free its leases and leave the group's members)."""
+        released = await self.upkeep.hand_over(self.states.values())
+        if self.ownership is not None:
+            await self.ownership.leave()
+        return released
 
     # -- the lanes' side (framework.runtime.lanes.Worker) -------------------------------------------
 
@@ -145,6 +191,7 @@ class Consumer:
             current = [works[slot.index][0]] if slot.index >= 0 else []
             rest, batch.next = works[batch.next :], len(works)  # not taken by any lane: given up too
             ledger.forget([d for d in current + [d for d, _ in rest] if id(d) not in finished])
+            ledger.broken()
         finally:
             slot.delivery = None
             if slot.watch is not None:  # a run cancelled at shutdown: its span ends unsettled
@@ -166,10 +213,15 @@ class Consumer:
         works = batch.works
         count = len(works)
         suspect = batch.suspect
+        lease = ledger.lease
         began = clock()
         while True:
             index = batch.next
             if index >= count:
+                return False
+            if lease is not None and not lease.usable(clock()):  # lost or handed back: start nothing more
+                batch.next = count
+                ledger.forget([d for d, _ in works[index:]])
                 return False
             batch.next = index + 1  # taken: no other lane runs it
             d, payload = works[index]

@@ -5,9 +5,16 @@ after a crash or restart), then reads new ones (XREADGROUP ``>``) on a connectio
 at most ``prefetch`` per read, and only while at most ``prefetch`` messages are in flight
 (:meth:`~framework.runtime.ledger.Ledger.wait_for_capacity`), so memory stays bounded. Each batch
 goes to the admit stage; every broker round trip that worked marks progress (``healthy()``).
+
+On an owned partition (:mod:`framework.runtime.ownership`) a tenure starts with the take-over
+instead: every entry pending in the partition for any consumer (what earlier owners left: dead,
+paused, or handed back) is claimed at once, oldest first, and admitted before anything new is
+read, so a key's messages run in the order they were published across owners.
 """
 
 from __future__ import annotations
+
+import time
 
 import anyio
 
@@ -17,6 +24,8 @@ from framework.runtime.ledger import Ledger
 from framework.runtime.wiring import Wiring
 
 __all__ = ["Fetcher"]
+
+_READ_MARGIN_MS = 50  # an owned partition's reads end this long before the lease's local end
 
 
 class Fetcher:
@@ -28,8 +37,36 @@ class Fetcher:
 
     async def run(self, ledger: Ledger) -> None:
         """Fetch ``ledger``'s partition until cancelled."""
-        await self.read_own_pending(ledger)
+        if ledger.lease is not None:
+            await self.take_over(ledger)
+        else:
+            await self.read_own_pending(ledger)
         await self.read_new(ledger)
+
+    async def take_over(self, ledger: Ledger) -> None:
+        """Claim and admit every entry pending in an owned partition, oldest first (a tenure's start)."""
+        broker = self.wiring.broker
+        consumer = self.wiring.consumer_name
+        prefetch = self.wiring.settings.prefetch
+        cursors: dict[str, str] = {}
+        total = 0
+        while True:
+            if ledger.in_flight > prefetch:
+                await ledger.wait_for_capacity(prefetch)
+            deliveries = await broker.take_over(ledger.view, consumer, prefetch, cursors)
+            healthy()
+            fresh = [d for d in deliveries if d.entry_id not in ledger.held]
+            if fresh:
+                total += len(fresh)
+                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                    await self.admission.admit(ledger, fresh)
+            if broker.taken_over(cursors):
+                break
+        ledger.taken_over = True  # the claimer may run now: it never overtakes the take-over's order
+        if total:
+            self.wiring.log.info(
+                "took over pending entries of an owned partition", partition=ledger.partition, count=total
+            )
 
     async def read_own_pending(self, ledger: Ledger) -> None:
         """Re-read the entries still pending under this consumer's name (not held here already)."""
@@ -56,12 +93,27 @@ class Fetcher:
         settings = self.wiring.settings
         prefetch, block = settings.prefetch, settings.block_ms
         admit = self.admission.admit
+        lease = ledger.lease
+        clock = time.monotonic
         channel = broker.channel()  # this fetcher's own connection: reads and inbox checks
         try:
             while True:
                 if ledger.in_flight > prefetch:
                     await ledger.wait_for_capacity(prefetch)
-                deliveries = await broker.read(ledger.view, consumer, prefetch, block, channel=channel)
+                wait = block
+                if lease is not None:
+                    # A read must not outlive the lease: one still blocked on the server when another
+                    # instance takes the partition over would be handed entries after that take-over
+                    # (ahead of which the new owner then reads later ones). The lease's local end comes
+                    # before its end on the server, so a read ending by then ends in time.
+                    now = clock()
+                    if not lease.usable(now):
+                        return  # lost or handed back: the tenure ends
+                    wait = min(block, int((lease.valid_until - now) * 1000) - _READ_MARGIN_MS)
+                    if wait < 1:
+                        await anyio.sleep(0.01)  # the next renewal extends it
+                        continue
+                deliveries = await broker.read(ledger.view, consumer, prefetch, wait, channel=channel)
                 healthy()
                 if deliveries:  # what was read is dispatched even if fetching stops meanwhile
                     with anyio.CancelScope(shield=True), anyio.move_on_after(30):

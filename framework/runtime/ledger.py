@@ -11,6 +11,10 @@ entries must the extender keep" have one answer:
 * ``slots``: what each lane running this partition's messages runs right now (the watchdog, the
   extender and the hand-over at shutdown read them).
 
+With partition ownership (:mod:`framework.runtime.ownership`) a ledger lives for one *tenure*: from
+acquiring the partition's lease to losing or releasing it; ``lease`` holds the tenure's fencing
+token, which every settle call passes. Without ownership ``lease`` is None for the process's life.
+
 A processed message leaves ``in_flight`` when its ack is queued (:meth:`Ledger.queue_acks`) and
 ``held`` once the ack is sent (:meth:`Ledger.take_acks` / :meth:`Ledger.acked`); a message that
 stays pending (an unreachable broker, a lease held elsewhere) is forgotten at once
@@ -27,7 +31,7 @@ import attrs
 
 from broker import Delivery, GroupPartition
 
-__all__ = ["ConsumerStats", "Ledger", "Slot"]
+__all__ = ["ConsumerStats", "Lease", "Ledger", "Slot"]
 
 
 @attrs.define
@@ -66,6 +70,48 @@ class Slot:
         self.observed: Any = None  # tracing or metrics: the observer's watch this lane reuses
 
 
+class Lease:
+    """This instance's hold on a partition for one tenure (partition ownership).
+
+    ``token`` is the fencing token of the acquisition; ``valid_until`` (monotonic) the local time up
+    to which the lease surely holds (the renewal's send time plus the lease length, less a margin), so a
+    process resumed after a pause past it knows it at once, without a round trip. ``lost`` is sticky:
+    a tenure that lost its lease (taken over, expired locally, or a message of it could not be
+    settled) never runs another message; the partition is taken again in a new tenure, which starts
+    over from the oldest pending entry, so a key's messages are never run out of order. ``releasing``:
+    handed back (rebalance, shutdown): queued messages are not started.
+    """
+
+    __slots__ = ("lost", "on_lost", "releasing", "token", "valid_until", "why")
+
+    def __init__(self, token: int, valid_until: float, on_lost: Any = None) -> None:
+        self.token = token
+        self.valid_until = valid_until
+        self.lost = False
+        self.why = ""  # what ended the tenure (logged once, when the ownership loop ends it)
+        self.releasing = False
+        self.on_lost = on_lost  # called once when lost (wakes the ownership loop)
+
+    def usable(self, now: float) -> bool:
+        """Whether a message of this tenure may start at ``now`` (monotonic); marks it lost once expired."""
+        if self.lost or self.releasing:
+            return False
+        if now >= self.valid_until:
+            self.lose("its lease ran out on the local clock (a pause, or no renewal in time)")
+            return False
+        return True
+
+    def lose(self, why: str) -> bool:
+        """Mark the tenure lost for ``why``; True the first time."""
+        if self.lost:
+            return False
+        self.lost = True
+        self.why = why
+        if self.on_lost is not None:
+            self.on_lost()
+        return True
+
+
 class Ledger:
     """One consumer's accounts for one partition (see the module docstring)."""
 
@@ -77,8 +123,10 @@ class Ledger:
         "capacity",
         "held",
         "in_flight",
+        "lease",
         "prune_at",
         "slots",
+        "taken_over",
         "view",
     )
 
@@ -93,6 +141,20 @@ class Ledger:
         self.ack_lock = anyio.Lock()  # one flush at a time (the flusher and shutdown share the channel)
         self.slots: set[Slot] = set()  # one per lane running this partition's messages
         self.prune_at = 0.0  # monotonic time of the next sweep of departed consumers
+        self.lease: Lease | None = None  # set for an owned partition's tenure
+        self.taken_over = False  # an owned tenure has claimed what earlier owners left pending
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token settle calls pass (None: the partition is not owned)."""
+        lease = self.lease
+        return None if lease is None else lease.token
+
+    def broken(self) -> None:
+        """A message of this partition stays pending while later ones could run: with ownership the
+        tenure ends (the next one starts from the oldest pending entry, keeping per-key order)."""
+        if self.lease is not None:
+            self.lease.lose("a message could not be settled (it stays pending)")
 
     @property
     def partition(self) -> int:

@@ -10,7 +10,11 @@
   messages that cannot run at all (undecodable, crash loops).
 
 Whatever cannot be settled (the broker unreachable) is forgotten by the ledger and stays pending:
-it is redelivered after the visibility timeout, and the inbox drops a second run.
+it is redelivered after the visibility timeout, and the inbox drops a second run. On an owned
+partition (:mod:`framework.runtime.ownership`) every settle call carries the tenure's fencing token;
+a call refused by the fencing check (:class:`~broker.LeaseLost`: another instance owns the
+partition now) changes nothing, and the tenure ends (:meth:`Settlement.lost`), as it does when a
+message cannot be settled at all (:meth:`~framework.runtime.ledger.Ledger.broken`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Any
 
 import anyio
 
-from broker import Delivery, EffectsFailed, now_ms
+from broker import Delivery, EffectsFailed, LeaseLost, now_ms
+from broker.headers import DELIVER_AT
 from framework.context import Context
 from framework.dead_letters.reasons import base_reason, exception_reason
 from framework.logs import debug_enabled
@@ -70,6 +75,11 @@ class Settlement:
         self.log = wiring.log
         self.debug = debug_enabled()  # a line per message settled
 
+    def lost(self, ledger: Ledger) -> None:
+        """A settle call was fenced: this tenure of the partition is over (the ownership loop logs it)."""
+        if ledger.lease is not None:
+            ledger.lease.lose("a settle call was refused by the fencing check: another instance owns it now")
+
     def log_settled(self, d: Delivery, outcome: str, attempt: int | None = None, **fields: Any) -> None:
         """The debug line per message settled, with its outcome (and its last attempt, when known)."""
         if attempt is not None:
@@ -95,6 +105,7 @@ class Settlement:
                     "could not publish staged messages; they will be redelivered", count=len(deliveries), exc_info=exc
                 )
                 ledger.forget(deliveries)
+                ledger.broken()
                 return
         self.stats.processed += len(deliveries) - duplicates
         ledger.queue_acks(deliveries)  # processed: room to fetch more while the ack is on its way
@@ -106,7 +117,12 @@ class Settlement:
         """Publish and acknowledge one successful run now (a suspect: see the admit stage)."""
         if ctx.outgoing:
             await self.wiring.publish(ctx.outgoing)
-        await self.broker.ack(ledger.view, [d], inbox=self.handler.inbox)
+        try:
+            await self.broker.ack(ledger.view, [d], inbox=self.handler.inbox, token=ledger.fence)
+        except LeaseLost:
+            self.lost(ledger)
+            ledger.forget([d])
+            return
         if not ctx.duplicate:  # a duplicate was counted when it was found
             self.stats.processed += 1
         ledger.forget([d])
@@ -123,7 +139,9 @@ class Settlement:
         broker = self.broker
         staged = ctx.outgoing
         outgoing = [env for env, _ in staged]
-        if broker.cluster and outgoing:  # other slots: publish first (deterministic ids dedup a repeat)
+        # Other slots, or scheduled messages (publish stores those until due): publish first
+        # (deterministic ids dedup a repeat).
+        if outgoing and (broker.cluster or any(DELIVER_AT in env.headers for env in outgoing)):
             await self.wiring.publish(staged)
             outgoing = []
         else:
@@ -132,8 +150,17 @@ class Settlement:
                     await broker.ensure_declared(spec)
         try:
             applied = await broker.commit_effects(
-                d, effects.commands, effects.keys, outgoing, reason=base_reason(self.handler, d, attempt)
+                d,
+                effects.commands,
+                effects.keys,
+                outgoing,
+                reason=base_reason(self.handler, d, attempt),
+                token=ledger.fence,
             )
+        except LeaseLost:  # fenced: nothing applied; the partition's new owner runs the message
+            self.lost(ledger)
+            ledger.forget([d])
+            return Outcome("duplicate", attempt, reason="lost ownership of the partition: not settled here")
         except EffectsFailed as exc:  # dead-lettered by the same script: a retry would apply them again
             self.stats.dead_lettered += 1
             self.log.error(
@@ -165,7 +192,9 @@ class Settlement:
         of the first failure this process saw (immediate and in-place retries carry no field)."""
         try:
             if outcome.status == "retry":
-                await self.broker.retry_later(d, now_ms() + int(outcome.delay * 1000), attempt=outcome.attempt)
+                await self.broker.retry_later(
+                    d, now_ms() + int(outcome.delay * 1000), attempt=outcome.attempt, token=ledger.fence
+                )
                 self.stats.retried += 1
                 if self.debug:
                     self.log_settled(d, "retry", outcome.attempt, delay=outcome.delay)
@@ -175,20 +204,26 @@ class Settlement:
                     self.handler, d, outcome.attempt, exc, outcome.reason, first_failed_ms=first_failed
                 )
                 await self.dead_letter(ledger, d, reason, forget=False)
+        except LeaseLost:
+            self.lost(ledger)
         except Exception as err:
             self.log.error(
                 "could not settle a failed message; it stays pending and will be redelivered",
                 message_id=d.message_id,
                 exc_info=err,
             )
+            ledger.broken()
         ledger.forget([d])
 
     async def dead_letter(self, ledger: Ledger, d: Delivery, reason: dict[str, str], *, forget: bool = True) -> None:
         """Move ``d`` to the dead-letter queue with ``reason`` (atomic with its ack)."""
         try:
-            entry = await self.broker.dead_letter(d, reason)
+            entry = await self.broker.dead_letter(d, reason, token=ledger.fence)
+        except LeaseLost:
+            self.lost(ledger)
         except Exception as err:
             self.log.error("could not dead-letter a message; it stays pending", message_id=d.message_id, exc_info=err)
+            ledger.broken()
         else:
             if entry is not None:
                 self.stats.dead_lettered += 1
@@ -236,7 +271,13 @@ class Settlement:
                 return
             batch = ledger.take_acks()
             try:
-                await self.broker.ack(ledger.view, batch, inbox=self.handler.inbox, channel=ledger.ack_channel)
+                await self.broker.ack(
+                    ledger.view, batch, inbox=self.handler.inbox, channel=ledger.ack_channel, token=ledger.fence
+                )
+            except LeaseLost:  # fenced: nothing acked; the new owner has these entries now
+                self.lost(ledger)
+                ledger.acked(batch)
+                return
             except BaseException:
                 ledger.requeue_acks(batch)
                 raise

@@ -63,7 +63,11 @@ class Upkeep:
         self.budget_warned = False  # one warning per process
 
     async def claim(self, ledger: Ledger) -> None:
-        """Claim entries idle past the visibility timeout and admit them like fetched ones."""
+        """Claim entries idle past the visibility timeout and admit them like fetched ones.
+
+        On an owned partition only its owner claims, and only once its tenure's take-over is done."""
+        if ledger.lease is not None and (not ledger.taken_over or not ledger.lease.usable(time.monotonic())):
+            return
         wiring = self.wiring
         settings = wiring.settings
         broker = wiring.broker

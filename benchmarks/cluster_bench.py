@@ -1,0 +1,129 @@
+"""Redis Cluster (#12): one service over 8 partitions, inbox on, 1 and 2 worker processes, single server vs cluster.
+
+    python -m benchmarks --only cluster
+
+Each trial sends a backlog of commands (1,000 keys) to an 8-partition queue, then drains it with
+``python -m framework run`` workers (partition ownership as configured, the default), either on
+the benchmark's server (``$REDIS_URL`` or the run's embedded Valkey) or on a local 3-master
+cluster of embedded Valkey servers started for this benchmark in a temporary directory (same
+binary, AOF on) and stopped afterwards. The rate is measured from the first entry consumed to the
+last, as in :mod:`benchmarks.ownership_bench`. On one machine the cluster's three servers share
+its cores with the workers, so this measures the cost of the cluster client and the spread of
+partitions, not the added capacity of more hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import anyio
+
+from benchmarks.procs import child
+from broker.embedded_cluster import start_cluster
+from broker.sync_client import sync_client
+from framework import Client, Queue, Service
+from framework.testing import delete_namespace, unique_namespace
+
+__all__ = ["SPREAD", "run", "trial"]
+
+SPREAD = Queue("bench.spread", partitions=8)
+KEYS = 1000
+WORKER_OPTS = ("--concurrency", "64", "--prefetch", "500")
+
+spread = Service("spread")  # the inbox is on (the default)
+
+
+@spread.command(SPREAD, key=lambda c: c["k"])
+async def handle(cmd: dict[str, Any]) -> None:
+    """Does nothing: the benchmark measures the runtime's own cost per message."""
+
+
+async def _send(url: str, namespace: str, n: int) -> None:
+    async with Client(url, namespace=namespace) as client:
+        for start in range(0, n, 5000):
+            batch = [{"k": str(i % KEYS), "n": i} for i in range(start, min(start + 5000, n))]
+            await client.send_many(SPREAD, batch, key=lambda c: c["k"])
+
+
+def trial(url: str, n: int, workers: int, label: str) -> dict[str, Any]:
+    """Drain ``n`` commands with ``workers`` processes on the server at ``url``; msgs/s from first consumed to last."""
+    namespace = unique_namespace("bench-spread")
+    r = sync_client(url)
+    streams = [f"{namespace}:{{{SPREAD.name}:{p}}}" for p in range(SPREAD.partitions)]
+
+    def left() -> int:
+        return sum(int(r.xlen(s)) for s in streams)  # one call per stream: they may live on different nodes
+
+    try:
+        anyio.run(functools.partial(_send, url, namespace, n))
+        args = ["-m", "framework", "run", "benchmarks.cluster_bench:spread", "--redis-url", url]
+        args += ["--namespace", namespace, "--log-format", "json", *WORKER_OPTS]
+        with contextlib.ExitStack() as stack:
+            procs = [
+                stack.enter_context(child(f"spread-{label}-{i}", [*args, "--consumer", f"w{i}"], {}, grace=10))
+                for i in range(workers)
+            ]
+            deadline = time.monotonic() + 300
+            while left() >= n:
+                _check(procs, deadline)
+                time.sleep(0.005)
+            began = time.monotonic()
+            first_left = left()
+            while left() > 0:
+                _check(procs, deadline)
+                time.sleep(0.01)
+            seconds = time.monotonic() - began
+        return {"n": n, "workers": workers, "server": label, "msgs_per_s": first_left / seconds}
+    finally:
+        r.close()
+        delete_namespace(url, namespace)
+
+
+def _check(procs: list[Any], deadline: float) -> None:
+    for p in procs:
+        p.check()
+    if time.monotonic() > deadline:
+        raise RuntimeError("cluster benchmark: the backlog was not drained within 300 s")
+
+
+def run(url: str, *, messages: int = 50_000, repeats: int = 1, workers: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+    """Every configuration ``repeats`` times (single server and cluster back to back, order alternating)."""
+    home = tempfile.mkdtemp(prefix="framework-bench-cluster-")
+    cluster = start_cluster(home, nodes=3)
+    try:
+        urls = {"single": url, "cluster": cluster.url}
+        runs: dict[str, list[float]] = {}
+        ratios: dict[int, list[float]] = {w: [] for w in workers}
+        for round_ in range(repeats):
+            for w in workers:
+                order = ("single", "cluster") if round_ % 2 == 0 else ("cluster", "single")
+                got = {label: trial(urls[label], messages, w, label)["msgs_per_s"] for label in order}
+                for label, rate in got.items():
+                    runs.setdefault(f"{label}:{w}", []).append(rate)
+                ratios[w].append(got["cluster"] / got["single"])
+    finally:
+        cluster.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    return {
+        "messages": messages,
+        "cores": os.cpu_count(),
+        "nodes": 3,
+        "runs": runs,
+        "medians": {k: statistics.median(v) for k, v in runs.items()},
+        "ratio": {str(w): statistics.median(r) for w, r in ratios.items()},
+    }
+
+
+if __name__ == "__main__":  # a quick look without the benchmark runner
+    import sys
+
+    import orjson
+
+    print(orjson.dumps(run(sys.argv[1], messages=int(sys.argv[2]) if len(sys.argv) > 2 else 20_000)).decode())

@@ -1,0 +1,474 @@
+"""Process managers (sagas): state keyed by a correlation id, one message per saga at a time.
+
+A saga is declared on a service and handles several message types for one business process (an
+order's fulfilment), in any order::
+
+    shipping = Service("shipping")
+    fulfilment = shipping.saga("order_fulfilment", state=Fulfilment, timeout=timedelta(hours=1))
+
+    @fulfilment.event("payments.captured", correlate=lambda e: e.order_id)
+    async def captured(event: PaymentCaptured, ctx: SagaContext[Fulfilment]) -> None:
+        ctx.state.paid = True
+        ...
+
+What it promises (see ``docs/sagas.md``):
+
+* **Routing.** Every input (``event``/``command`` steps) is subscribed by a small forwarding
+  handler of the service that re-sends the message to the saga's own queue
+  ``<service>.saga.<name>`` with key = its correlation id (derived ids plus the inboxes make the
+  hop exactly once). So one saga instance's messages share one partition and one per-key lane.
+* **State** lives in one Redis hash per instance under the saga queue partition's hash tag:
+  ``<ns>:{<service>.saga.<name>:<p>}:saga:<correlation id>`` with fields ``v`` (version), ``s``
+  (the state, JSON via the payload converter) and ``t`` (pending timeout ids). A step loads it,
+  runs, and saves it with ``ctx.redis_transaction()``: the save, the inbox mark, the ack and the
+  outgoing messages are one script call (``commit_effects.lua``).
+* **One message per saga at a time.** The save is guarded by the version read at the start
+  (``RedisEffects.expect``): if another step committed meanwhile (two processes on a shared
+  partition, a paused ex-owner), nothing is written, sent or acked and the step runs again on the
+  new state. Conflicts are retried at once and do not count towards the saga's retry policy's
+  dead-lettering (up to ``MAX_CONFLICTS`` in a row).
+* **Timeouts** (``ctx.request_timeout``) are scheduled messages to the saga's own queue, stored by
+  the same atomic commit (the scheduled zset shares the partition's hash tag), so a timeout exists
+  only if the state that requested it was saved. A timeout that fires after the saga completed, or
+  that was cancelled, is ignored.
+* **Complete** (``ctx.complete()``) replaces the state by a tombstone (kept ``keep_completed``,
+  default one day) in the same commit: late or duplicate messages for a completed saga, and its
+  timeouts, are ignored rather than starting it again.
+"""
+
+from __future__ import annotations
+
+import functools
+import typing
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+import orjson
+
+from broker import COMMAND, derive_id
+from broker.codec import encode_fields
+from broker.errors import EffectsConflict
+from broker.headers import CAUSATION_ID, CORRELATION_ID, DELIVER_AT
+from framework._messages import build_envelope
+from framework._payloads import converter, decoder_for, type_name
+from framework.context import Context
+from framework.logs import get_logger
+from framework.retries import Decision, RetryPolicy
+from framework.scheduling import due_ms
+from framework.service import HandlerError, Queue, Topic, _inspect
+
+if TYPE_CHECKING:
+    from framework.context import _Staged
+    from framework.service import Service
+
+__all__ = ["MAX_CONFLICTS", "SAGA_INPUT", "Saga", "SagaContext", "SagaError", "SagaRetryPolicy"]
+
+log = get_logger("framework.saga")
+
+S = TypeVar("S")
+F = TypeVar("F", bound=Callable[..., Any])
+
+SAGA_INPUT = "saga-input"
+"""Header of a message on a saga's queue: which input it is (the source destination, or ``timeout:<type>``)."""
+
+MAX_CONFLICTS = 100
+"""Version conflicts retried at once before the saga's retry policy counts them as failures."""
+
+DEFAULT_KEEP_COMPLETED = timedelta(days=1)
+
+
+class SagaError(Exception):
+    """A saga message that cannot be handled (no step for it): dead-lettered, never retried."""
+
+
+class SagaRetryPolicy(RetryPolicy):
+    """A :class:`RetryPolicy` that retries a version conflict at once, in the lane, without
+    letting it dead-letter the message (other failures follow the policy as usual; conflicts do
+    raise the attempt number the policy sees)."""
+
+    def decide(self, attempt: int, exc: BaseException) -> Decision:
+        """Retry a conflict now (up to :data:`MAX_CONFLICTS`); anything else per the policy."""
+        if isinstance(exc, EffectsConflict) and attempt < MAX_CONFLICTS:
+            return Decision("retry")
+        return super().decide(attempt, exc)
+
+
+def _saga_policy(policy: RetryPolicy) -> SagaRetryPolicy:
+    fields = {a.name: getattr(policy, a.name) for a in type(policy).__attrs_attrs__}  # type: ignore[attr-defined]
+    fields["fatal"] = (*policy.fatal, SagaError)
+    return SagaRetryPolicy(**fields)
+
+
+def _msgpack_strings(items: list[bytes]) -> bytes:
+    """cmsgpack's encoding of a Lua array of strings (what ``schedule_add.lua`` stores, packed here
+    so a timeout can be written by plain commands inside the step's commit)."""
+    n = len(items)
+    out = bytearray()
+    if n < 16:
+        out.append(0x90 | n)
+    elif n < 1 << 16:
+        out += b"\xdc" + n.to_bytes(2, "big")
+    else:
+        out += b"\xdd" + n.to_bytes(4, "big")
+    for b in items:
+        size = len(b)
+        if size < 32:
+            out.append(0xA0 | size)
+        elif size < 1 << 8:
+            out += b"\xd9" + size.to_bytes(1, "big")
+        elif size < 1 << 16:
+            out += b"\xda" + size.to_bytes(2, "big")
+        else:
+            out += b"\xdb" + size.to_bytes(4, "big")
+        out += b
+    return bytes(out)
+
+
+def _as_bytes(value: bytes | str | int) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    return str(value).encode()
+
+
+class _Step:
+    """One input of a saga: its function, payload decoder and whether it may start an instance."""
+
+    __slots__ = ("decode", "fn", "is_async", "name", "payload_type", "starts")
+
+    def __init__(self, fn: Callable[..., Any], where: str, starts: bool) -> None:
+        is_async, takes_ctx, payload_type = _inspect(fn, where)
+        if not takes_ctx:
+            raise HandlerError(f"{where}: a saga step takes (message, ctx: SagaContext)")
+        try:
+            self.decode = decoder_for(payload_type)
+        except TypeError as exc:
+            raise HandlerError(f"{where}: {exc}") from None
+        self.fn = fn
+        self.is_async = is_async
+        self.payload_type = payload_type
+        self.starts = starts
+        self.name = getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _no_delay(options: Mapping[str, Any]) -> None:
+    # A scheduled send is stored by its own script before the step's commit, so it could leave
+    # for a step whose save then fails: refused, with the way that commits atomically.
+    if options.get("delay") is not None or options.get("at") is not None:
+        raise SagaError(
+            "a saga step cannot send with delay=/at=: call ctx.request_timeout(delay, payload) and send "
+            "from the timeout step (a timeout is saved atomically with the state)"
+        )
+
+
+class SagaContext(Generic[S]):
+    """What a saga step receives: the instance's ``state``, and ``send``/``publish``,
+    ``request_timeout``, ``cancel_timeout`` and ``complete``.
+
+    Everything a step does takes effect only if its state is saved: the state, its timeouts and
+    its outgoing messages commit in one atomic step with the inbox mark and the ack. Change
+    ``state`` in place (or assign a new one); it is saved when the step returns.
+    """
+
+    __slots__ = ("_completed", "_pending", "_saga", "_timeouts", "context", "correlation", "state", "version")
+
+    def __init__(
+        self, context: Context, saga: Saga[S], state: S, correlation: str, version: int, pending: dict[str, str]
+    ) -> None:
+        self.context = context
+        """The plain handler :class:`~framework.Context` of the message (headers, ids, attempt)."""
+        self._saga = saga
+        self.state = state
+        """The instance's state (a fresh ``state()`` when this message started it)."""
+        self.correlation = correlation
+        """The instance's correlation id (the key every message of it carries on the saga queue)."""
+        self.version = version
+        """The state's version as loaded (0: this message starts the instance)."""
+        self._pending = pending
+        self._timeouts: list[tuple[str, Any, int]] = []
+        self._completed = False
+
+    @property
+    def message_id(self) -> str:
+        """The id of the message this step handles (the forwarded copy's, derived from the original's)."""
+        return self.context.message_id
+
+    @property
+    def is_new(self) -> bool:
+        """Whether this message started the instance."""
+        return self.version == 0
+
+    @property
+    def completed(self) -> bool:
+        """Whether :meth:`complete` was called in this step."""
+        return self._completed
+
+    @property
+    def pending_timeouts(self) -> Mapping[str, str]:
+        """Timeouts requested and not fired or cancelled yet: id -> payload type name."""
+        return dict(self._pending)
+
+    def send(self, queue: str | Queue, command: Any, *, key: str | None = None, **kw: Any) -> _Staged:
+        """Stage a command; it leaves only if this step's state is saved (``headers=``, ``type=`` as
+        for :meth:`Context.send`; for a delay use :meth:`request_timeout` and send from its step)."""
+        _no_delay(kw)
+        return self.context.send(queue, command, key=key, **kw)
+
+    def publish(self, topic: str | Topic, event: Any, *, key: str | None = None, **kw: Any) -> _Staged:
+        """Stage an event; it leaves only if this step's state is saved."""
+        _no_delay(kw)
+        return self.context.publish(topic, event, key=key, **kw)
+
+    def request_timeout(self, delay: timedelta | float | None, payload: Any, *, at: datetime | None = None) -> str:
+        """Deliver ``payload`` to this instance's timeout step for ``type(payload)`` after ``delay``
+        (seconds or timedelta) or ``at`` (an aware datetime). Stored only if this step's state is
+        saved; ignored when it fires after :meth:`complete` or :meth:`cancel_timeout`. Returns its id."""
+        if self._saga._timeout_steps.get(type_name(payload)) is None:
+            raise SagaError(
+                f"saga {self._saga.label}: no timeout step for {type_name(payload)}; declare one with "
+                f"@{self._saga.name}.timeout"
+            )
+        due = due_ms(delay, at)
+        if due is None:
+            due = due_ms(0)
+        assert due is not None
+        n = len(self._timeouts)
+        timeout_id = derive_id(self.context.message_id, f"{self._saga.queue.name}/timeout/{n}")
+        self._timeouts.append((timeout_id, payload, due))
+        self._pending[timeout_id] = type_name(payload)
+        return timeout_id
+
+    def cancel_timeout(self, timeout_id: str) -> bool:
+        """Forget a pending timeout: when it fires it is ignored. False when it is not pending."""
+        return self._pending.pop(timeout_id, None) is not None
+
+    def complete(self) -> None:
+        """End the instance: its state is replaced by a tombstone when this step commits; later
+        messages and timeouts for it are ignored (for ``keep_completed``)."""
+        self._completed = True
+
+
+class Saga(Generic[S]):
+    """A process manager of a service: steps per input, state per correlation id.
+
+    Create with :meth:`framework.Service.saga`. ``state`` is the state's type (an attrs class, a
+    dataclass or ``dict``; called with no arguments for a new instance); ``partitions`` the saga
+    queue's partition count (> 1: partitions owned by one worker each, see
+    ``docs/partition-ownership.md``); ``keep_completed`` how long a completed instance's
+    tombstone stays (late messages within it are ignored, after it they would start a new one).
+    """
+
+    def __init__(
+        self,
+        service: Service,
+        name: str,
+        *,
+        state: Callable[[], S],
+        partitions: int = 4,
+        retry: RetryPolicy | None = None,
+        timeout: timedelta | float | None = None,
+        keep_completed: timedelta | float = DEFAULT_KEEP_COMPLETED,
+    ) -> None:
+        self.service = service
+        self.name = name
+        self.state_type = state
+        self.queue = Queue(f"{service.name}.saga.{name}", partitions=partitions)
+        keep = keep_completed.total_seconds() if isinstance(keep_completed, timedelta) else float(keep_completed)
+        if keep <= 0:
+            raise HandlerError(f"saga {service.name}.{name}: keep_completed must be positive")
+        self.keep_completed_ms = int(keep * 1000)
+        self._steps: dict[str, _Step] = {}  # source destination -> step
+        self._timeout_steps: dict[str, _Step] = {}  # payload type name -> step
+        self._retry = _saga_policy(retry or service.retry)
+        self._state_decode = decoder_for(state) if isinstance(state, type) else None
+
+        async def step(body: bytes, ctx: Context) -> None:
+            await self._run(body, ctx)
+
+        step.__name__ = f"saga_{name}"
+        service._register(self.queue, self._retry, None, "earliest", True, timeout)(step)
+
+    @property
+    def label(self) -> str:
+        """``service.saga`` for logs."""
+        return f"{self.service.name}.{self.name}"
+
+    def __repr__(self) -> str:
+        return f"Saga({self.label!r}, inputs={sorted(self._steps)}, timeouts={sorted(self._timeout_steps)})"
+
+    # -- declaring steps ---------------------------------------------------------------------------
+
+    def event(
+        self,
+        topic: str | Topic,
+        *,
+        correlate: Callable[[Any], Any],
+        starts: bool = True,
+        start: typing.Literal["earliest", "latest"] = "earliest",
+    ) -> Callable[[F], F]:
+        """Declare the step for events of ``topic``; ``correlate(event)`` gives the instance's id.
+
+        ``starts=False``: an event for no running instance is ignored instead of starting one.
+        The service subscribes to ``topic`` (one handler per destination per service)."""
+        dest = topic if isinstance(topic, Topic) else Topic(topic)
+        return self._input(dest, correlate, starts, start)
+
+    def command(self, queue: str | Queue, *, correlate: Callable[[Any], Any], starts: bool = True) -> Callable[[F], F]:
+        """Declare the step for commands sent to ``queue`` (owned by this service); like :meth:`event`."""
+        dest = queue if isinstance(queue, Queue) else Queue(queue)
+        return self._input(dest, correlate, starts, "earliest")
+
+    def timeout(self, fn: F) -> F:
+        """Declare the step run when a timeout of its payload type (``ctx.request_timeout``) fires."""
+        step = _Step(fn, f"saga {self.label} timeout step {getattr(fn, '__name__', fn)!r}", starts=False)
+        name = _type_label(step.payload_type)
+        if name in self._timeout_steps:
+            raise HandlerError(f"saga {self.label}: two timeout steps for {name}")
+        self._timeout_steps[name] = step
+        return fn
+
+    def _input(
+        self, dest: Queue | Topic, correlate: Callable[[Any], Any], starts: bool, start: Any
+    ) -> Callable[[F], F]:
+        if not callable(correlate):
+            raise HandlerError(f"saga {self.label}: correlate= must be a function of the message")
+        saga_queue = self.queue
+
+        def decorator(fn: F) -> F:
+            where = f"saga {self.label} step {getattr(fn, '__name__', fn)!r} for {dest.name!r}"
+            if dest.name in self._steps:
+                raise HandlerError(f"{where}: the saga already has a step for {dest.name!r}")
+            step = _Step(fn, where, starts)
+
+            def forward(message: Any, ctx: Context) -> None:
+                correlation = correlate(message)
+                if correlation is None or correlation == "":
+                    raise SagaError(f"{where}: correlate() gave {correlation!r} for message {ctx.message_id}")
+                ctx.send(
+                    saga_queue,
+                    ctx.envelope.body,
+                    key=str(correlation),
+                    type=ctx.type,
+                    headers={SAGA_INPUT: dest.name},
+                )
+
+            async def forward_async(message: Any, ctx: Context) -> None:
+                forward(message, ctx)
+
+            forward_async.__name__ = f"saga_{self.name}_{step.name}"
+            forward_async.__annotations__ = {"message": step.payload_type, "ctx": Context, "return": None}
+            policy = RetryPolicy(fatal=(SagaError,))
+            if isinstance(dest, Topic):
+                self.service.event(dest, retry=policy, start=start)(forward_async)
+            else:
+                self.service.command(dest, retry=policy)(forward_async)
+            self._steps[dest.name] = step
+            return fn
+
+        return decorator
+
+    # -- running a step ----------------------------------------------------------------------------
+
+    def state_key(self, ctx: Context) -> str:
+        """The instance's state hash (under the saga queue partition's hash tag)."""
+        stream = ctx._broker.keyspace.partition(self.queue.name, ctx.partition).stream
+        return f"{stream}:saga:{ctx.key}"
+
+    async def _run(self, body: bytes, ctx: Context) -> None:
+        source = ctx.headers.get(SAGA_INPUT, "")
+        if source.startswith("timeout:"):
+            step = self._timeout_steps.get(source[len("timeout:") :])
+        else:
+            step = self._steps.get(source)
+        if step is None:
+            raise SagaError(f"saga {self.label}: no step for input {source!r} (message type {ctx.type})")
+        if not ctx.key:
+            raise SagaError(f"saga {self.label}: message {ctx.message_id} on the saga queue has no correlation key")
+        key = self.state_key(ctx)
+        version_raw, state_raw, pending_raw, done = await ctx.redis.hmget(key, "v", "s", "t", "done")
+        tx = ctx.redis_transaction()
+        tx.expect(key, "v", None if version_raw is None else int(version_raw))  # what follows is decided on this
+        if done:
+            log.debug("message for a completed saga ignored", saga=self.label, correlation=ctx.key, input=source)
+            return
+        is_timeout = source.startswith("timeout:")
+        if version_raw is None:
+            if not step.starts:
+                log.info(
+                    "message ignored: no running saga for it and its step does not start one",
+                    saga=self.label,
+                    correlation=ctx.key,
+                    input=source,
+                    message_id=ctx.message_id,
+                )
+                return
+            version = 0
+            state = self.state_type()
+            pending: dict[str, str] = {}
+        else:
+            version = int(version_raw)
+            state = self._load_state(state_raw)
+            pending = orjson.loads(pending_raw) if pending_raw else {}
+        if is_timeout and pending.pop(ctx.message_id, None) is None:
+            log.debug("cancelled or stale timeout ignored", saga=self.label, correlation=ctx.key)
+            return
+        payload = step.decode(body)
+        sctx: SagaContext[S] = SagaContext(ctx, self, state, ctx.key, version, pending)
+        if step.is_async:
+            await step.fn(payload, sctx)
+        else:
+            await anyio.to_thread.run_sync(functools.partial(step.fn, payload, sctx))
+        await self._save(ctx, sctx, key, version)
+
+    def _load_state(self, raw: bytes | None) -> S:
+        if self._state_decode is not None:
+            return self._state_decode(raw or b"{}")  # type: ignore[no-any-return]
+        return converter.structure(orjson.loads(raw or b"{}"), Any)  # type: ignore[no-any-return]
+
+    async def _save(self, ctx: Context, sctx: SagaContext[S], key: str, version: int) -> None:
+        tx = ctx.redis_transaction()
+        new = version + 1
+        if sctx.completed:
+            tx.call("DEL", key)
+            tx.call("HSET", key, "v", new, "done", 1)
+            tx.call("PEXPIRE", key, self.keep_completed_ms)
+            return
+        state = orjson.dumps(converter.unstructure(sctx.state))
+        tx.call("HSET", key, "v", new, "s", state, "t", orjson.dumps(sctx._pending))
+        if sctx._timeouts:
+            await self._stage_timeouts(ctx, sctx)
+
+    async def _stage_timeouts(self, ctx: Context, sctx: SagaContext[S]) -> None:
+        """Write the requested timeouts into the step's commit: scheduled messages of this very
+        partition (the same hash tag as the state), stored only if the state is saved."""
+        keyspace = ctx._broker.keyspace
+        pkeys = keyspace.partition(self.queue.name, ctx.partition)
+        tx = ctx.redis_transaction()
+        earliest = min(due for _, _, due in sctx._timeouts)
+        # The namespace index first (another slot, outside the commit): a commit that then fails
+        # leaves a stale hint, never a stored timeout no mover looks at (as publish does).
+        await ctx.redis.zadd(keyspace.scheduled_index, {f"{self.queue.name}|{ctx.partition}": earliest}, lt=True)
+        for timeout_id, payload, due in sctx._timeouts:
+            headers = {
+                SAGA_INPUT: f"timeout:{type_name(payload)}",
+                CORRELATION_ID: ctx.correlation_id,
+                CAUSATION_ID: ctx.message_id,
+                DELIVER_AT: str(due),
+            }
+            env, _ = build_envelope(
+                self.queue.name, COMMAND, payload, key=sctx.correlation, headers=headers, message_id=timeout_id
+            )
+            fields = _msgpack_strings([_as_bytes(f) for f in encode_fields(env)])
+            tx.call("ZADD", pkeys.scheduled, due, timeout_id)
+            tx.call("HSET", pkeys.scheduled_envelopes, timeout_id, fields)
+
+
+def _type_label(tp: Any) -> str:
+    """The type name a producer records for payloads of ``tp`` (as :func:`type_name` gives it)."""
+    name = getattr(tp, "__message_type__", None)
+    if isinstance(name, str):
+        return name
+    if tp is dict:
+        return "json"
+    return getattr(tp, "__name__", str(tp))

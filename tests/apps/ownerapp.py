@@ -1,0 +1,48 @@
+"""A service run as real worker processes by the ownership test (tests/test_ownership.py).
+
+``owner.seq`` has 8 partitions; each message carries a key ``k`` and that key's sequence number
+``s``. The handler applies ``s`` (as ``s@pid``) to the key's list through its Redis effects (committed atomically
+with the inbox mark and the ack, under the partition's fencing token), so the list shows the order
+effects were applied in. While it runs it holds a per-key marker (SET NX, expiring after
+``MARKER_MS``); finding another instance's marker counts an overlap: a key run by two instances at
+once. ``ctx.partition`` -> "pid:unix ms" of the last application shows which process runs a partition.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import anyio
+
+from framework import Context, Queue, Service
+
+NS = os.environ.get("FRAMEWORK_NAMESPACE", "fw")
+PID = str(os.getpid())
+SLEEP = float(os.environ.get("OWNER_SLEEP", "0"))
+MARKER_MS = int(os.environ.get("MARKER_MS", "800"))
+
+owner = Service("owner")  # the inbox is on (the default): Redis effects are exactly once
+
+SEQ = Queue("owner.seq", partitions=8)
+
+
+@owner.command(SEQ, key=lambda m: m["k"])
+async def apply(msg: dict, ctx: Context) -> None:
+    """Apply one (key, seq), checking no other instance runs the key meanwhile."""
+    k, s = msg["k"], msg["s"]
+    marker = f"{NS}:t:running:{k}"
+    if not await ctx.redis.set(marker, PID, nx=True, px=MARKER_MS):
+        held = await ctx.redis.get(marker)
+        if held is not None and held.decode() != PID:
+            at = int(time.time() * 1000)
+            await ctx.redis.rpush(f"{NS}:t:overlaps", f"{k}:{s}:p{ctx.partition}:{PID}:{held.decode()}:{at}")
+    try:
+        if SLEEP:
+            await anyio.sleep(SLEEP)
+        tx = ctx.redis_transaction()
+        tx.rpush(f"{NS}:t:applied:{k}", f"{s}@{PID}")
+        tx.hset(f"{NS}:t:last", str(ctx.partition), f"{PID}:{int(time.time() * 1000)}")
+    finally:
+        if await ctx.redis.get(marker) == PID.encode():
+            await ctx.redis.delete(marker)

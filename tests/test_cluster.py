@@ -1,0 +1,215 @@
+"""The framework on a real 3-master Redis Cluster started by the test (embedded Valkey, own directory).
+
+Partitions spread over the nodes; worker processes consume a partitioned queue with the inbox,
+retries and a dead letter, one of them SIGKILLed mid-way; the CLI reads the cluster. The Spark
+export over a cluster is in ``tests/spark/test_spark_cluster.py`` (it shares the Spark session).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import redis
+
+from broker import connect
+from broker.cluster_client import stream_read_keys
+from broker.embedded_cluster import RunningCluster, slot_ranges, start_cluster
+from broker.keys import KeySpace
+from broker.sync_client import sync_client
+from framework.client import Client
+from framework.testing import delete_namespace, unique_namespace
+from tests.conftest import ROOT, run_cli
+from tests.workers import Workers, wait_for
+
+pytestmark = pytest.mark.slow
+
+PARTITIONS = 8
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
+    running = start_cluster(tmp_path_factory.mktemp("valkey-cluster"), nodes=3)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def ns(cluster: RunningCluster) -> Iterator[str]:
+    namespace = unique_namespace("cluster")
+    yield namespace
+    delete_namespace(cluster.url, namespace)
+
+
+@pytest.fixture
+def cluster_client(cluster: RunningCluster) -> Iterator[Any]:
+    client = sync_client(cluster.url)
+    assert isinstance(client, redis.RedisCluster)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def env(cluster: RunningCluster, ns: str, tmp_path: Path) -> dict[str, str]:
+    out = dict(os.environ)
+    out.update(
+        REDIS_URL=cluster.url,
+        FRAMEWORK_NAMESPACE=ns,
+        FRAMEWORK_HOME=str(tmp_path / "home"),  # never the user's embedded server
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "apps"), str(ROOT), out.get("PYTHONPATH", "")]),
+        FRAMEWORK_LOG_FORMAT="json",
+    )
+    return out
+
+
+def test_slots_are_shared_out_whole_and_stream_reads_are_routed_by_their_keys() -> None:
+    ranges = slot_ranges(3)
+    assert ranges[0][0] == 0 and ranges[-1][1] == 16383
+    assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(ranges))
+    args = ("GROUP", "g", "c", "COUNT", 10, "BLOCK", 5, "STREAMS", "ns:{d:1}", "ns:{d:1}:g:x:redeliver", ">", ">")
+    assert stream_read_keys("XREADGROUP", args) == ["ns:{d:1}", "ns:{d:1}:g:x:redeliver"]
+    tricky = ("GROUP", "streams", "STREAMS", "STREAMS", "k", ">")  # a group and a consumer called so
+    assert stream_read_keys("XREADGROUP", tricky) == ["k"]
+    assert stream_read_keys("XREAD", ("COUNT", 1, "STREAMS", "a", "b", "0", "0")) == ["a", "b"]
+    assert stream_read_keys("XREADGROUP", ("GROUP", "g", "c", "STREAMS", "a")) is None  # malformed: redis-py's
+
+
+def test_the_local_cluster_is_formed_and_any_node_url_works(cluster: RunningCluster) -> None:
+    status = cluster.cluster.status()
+    assert status.running and len(status.nodes) == 3
+    assert cluster.cluster.cluster_info()["cluster_state"] == "ok"
+    other = cluster.url.replace(f":{status.nodes[0].port}/", f":{status.nodes[2].port}/")
+
+    async def check() -> None:
+        broker = await connect(other, namespace="probe")
+        try:
+            assert broker.cluster
+            assert len(broker.redis.get_primaries()) == 3
+        finally:
+            await broker.close()
+
+    anyio.run(check)
+
+
+def test_the_server_command_starts_reports_and_stops_a_local_cluster(tmp_path: Path) -> None:
+    env = {**os.environ, "FRAMEWORK_HOME": str(tmp_path / "home")}
+    env.pop("REDIS_URL", None)
+    where = ["--cluster", "--data-dir", str(tmp_path / "cl")]
+    try:
+        started = run_cli("server", "start", "--cluster", "3", *where[1:], env=env)
+        assert started.returncode == 0, started.stderr
+        password = (tmp_path / "cl" / "password").read_text().strip()
+        assert password not in started.stdout  # the file is named, the password never printed
+        [export] = [line.strip() for line in started.stdout.splitlines() if "export REDIS_URL=" in line]
+        port = int(export.rsplit(":", 1)[1].split("/")[0])
+        url = f"redis://:{password}@127.0.0.1:{port}/0"
+        client = sync_client(url)
+        assert isinstance(client, redis.RedisCluster) and len(client.get_primaries()) == 3
+        client.mset_nonatomic({f"kept:{i}": str(i) for i in range(30)})  # keys on every node
+        client.close()
+        status = run_cli("server", "status", *where, env=env)
+        assert status.returncode == 0 and "cluster_state:ok" in status.stdout and password not in status.stdout
+        assert run_cli("server", "stop", *where, env=env).stdout.strip() == "stopped the local cluster"
+        assert run_cli("server", "status", *where, env=env).returncode == 3
+        # started again: same ports, same slots (nodes.conf), same data (AOF)
+        assert f"127.0.0.1:{port}/0" in run_cli("server", "start", *where, env=env).stdout
+        client = sync_client(url)
+        assert client.mget_nonatomic([f"kept:{i}" for i in range(30)]) == [str(i).encode() for i in range(30)]
+        client.close()
+    finally:
+        run_cli("server", "stop", *where, env=env)
+
+
+def test_partitions_of_a_topic_spread_over_the_nodes(cluster: RunningCluster, ns: str, cluster_client: Any) -> None:
+    async def publish() -> None:
+        async with Client(cluster.url, namespace=ns) as client:
+            from framework import Topic
+
+            topic = Topic("cl.events", partitions=PARTITIONS)
+            for i in range(0, 400, 100):
+                async with client.batch() as b:
+                    for j in range(i, i + 100):
+                        b.publish(topic, {"n": j}, key=f"k{j}")
+
+    anyio.run(publish)
+    keyspace = KeySpace(ns)
+    streams = [keyspace.partition("cl.events", p).stream for p in range(PARTITIONS)]
+    nodes = {cluster_client.get_node_from_key(s).name for s in streams}
+    assert len(nodes) >= 2, nodes
+    assert sum(cluster_client.xlen(s) for s in streams) == 400
+    assert all(cluster_client.xlen(s) > 0 for s in streams)
+
+
+def test_workers_on_a_cluster_lose_nothing_apply_nothing_twice_and_dead_letter_the_poison(
+    cluster: RunningCluster, ns: str, env: dict[str, str], cluster_client: Any, tmp_path: Path
+) -> None:
+    total = 2000
+
+    async def send() -> None:
+        async with Client(cluster.url, namespace=ns) as client:
+            from framework import Queue
+
+            queue = Queue("cl.jobs", partitions=PARTITIONS)
+            await client.send_many(queue, [{"n": n} for n in range(total)], key=lambda c: f"k{c['n'] % 100}")
+
+    async def send_poison() -> None:
+        async with Client(cluster.url, namespace=ns) as client:
+            await client.send("cl.jobs", {"n": "poison"}, key="k-poison")
+
+    anyio.run(send)
+    keyspace = KeySpace(ns)
+    applied_keys = [f"{ns}:test:{{cl.jobs:{p}}}:applied" for p in range(PARTITIONS)]
+
+    def applied() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key in applied_keys:
+            out.update({k.decode(): int(v) for k, v in cluster_client.hgetall(key).items()})
+        return out
+
+    dlqs = [keyspace.partition("cl.jobs", p).group("cljobs").dlq for p in range(PARTITIONS)]
+    workers = Workers(env, tmp_path)
+    try:
+        opts = ("--visibility-timeout", "2", "--shutdown-timeout", "5")
+        first = workers.start("clusterapp:jobs", "w1", *opts, JOB_SLEEP="0")
+        workers.start("clusterapp:jobs", "w2", *opts)
+        wait_for(lambda: len(applied()) >= total // 4, 30, "a quarter of the jobs")
+        first.send_signal(signal.SIGKILL)  # mid-way: what it held is claimed by the others
+        first.wait()
+        workers.start("clusterapp:jobs", "w3", *opts)
+        # After the kill: a message a killed worker held counts that run as an attempt (by design),
+        # so a poison sent earlier could be dead-lettered as a crash loop rather than for its error.
+        anyio.run(send_poison)
+        wait_for(lambda: len(applied()) >= total and sum(cluster_client.xlen(d) for d in dlqs) >= 1, 60, "all jobs")
+        time.sleep(0.5)  # a late duplicate would show up now
+        done = applied()
+        assert sorted(done, key=int) == [str(n) for n in range(total)]  # nothing lost
+        assert set(done.values()) == {1}  # nothing applied twice (the inbox and the commit's check)
+        [(_, fields)] = [e for d in dlqs for e in cluster_client.xrange(d)]
+        assert json.loads(fields[b"body"]) == {"n": "poison"}
+        assert b"poisoned job" in fields[b"dlq-error-message"] and fields[b"dlq-attempts"] == b"3"
+        assert fields[b"dlq-error-type"].endswith(b"RuntimeError")
+
+        # (c) the CLI reads the cluster
+        out = run_cli("status", "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        [jobs] = [d for d in json.loads(out.stdout) if d["name"] == "cl.jobs"]
+        [group] = jobs["groups"]
+        assert group["group"] == "cljobs" and group["dead_letters"] == 1 and group["lag"] == 0
+        listed = run_cli("dlq", "list", "--json", env=env)
+        assert listed.returncode == 0, listed.stderr
+        [letter] = json.loads(listed.stdout)
+        assert letter["group"] == "cljobs" and letter["error_type"].endswith("RuntimeError")
+        assert "poisoned job" in json.dumps(letter)
+        for proc in workers.procs[1:]:
+            proc.send_signal(signal.SIGTERM)
+        assert all(p.wait(timeout=30) == 0 for p in workers.procs[1:])
+    finally:
+        workers.stop_all()

@@ -1,0 +1,389 @@
+"""Sagas (process managers), on real servers and real worker processes.
+
+The example of docs/sagas.md (tests/apps/sagaapp.py): shipping waits for a payment and a stock
+reservation of one order, in either order, ships once, and cancels with a compensation when its
+timeout fires first. Each order must end shipped exactly once or cancelled exactly once, never
+both, under duplicates, reordering, worker kills and the timeout racing the last message. And the
+optimistic version check: a commit whose guard no longer holds changes nothing.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from typing import Any
+
+import anyio
+import attrs
+import orjson
+import pytest
+import redis
+
+from broker import DestinationSpec, Envelope, RedisBroker, new_id
+from broker.errors import EffectsConflict
+from framework import Client, HandlerError, Service, SyncClient
+from framework.effects import RedisEffects
+from framework.saga import SAGA_INPUT, SagaContext, SagaError, SagaRetryPolicy
+from framework.testing import TEST_SETTINGS, ServiceHarness
+from tests.apps import sagaapp
+from tests.apps.sagaapp import PAYMENTS, STOCK, PaymentCaptured, StockReserved, record_key
+from tests.workers import Workers, wait_for
+
+# -- the version guard, at the broker -------------------------------------------------------------
+
+
+async def _pending(broker: RedisBroker, stream: str) -> int:
+    return int((await broker.redis.execute_command("XPENDING", stream, "g"))[0])
+
+
+@pytest.mark.anyio
+async def test_a_commit_whose_version_moved_on_writes_sends_and_acks_nothing(broker: RedisBroker) -> None:
+    spec = await broker.declare(DestinationSpec("saga.guard", "command"))
+    [view] = await broker.subscribe(spec, "g")
+    await broker.publish([Envelope(destination="saga.guard", kind="command", type="t", body=b"{}", id=new_id())])
+    [d] = await broker.read(view, "c", 10, 10)
+    state = f"{view.stream}:saga:o-1"  # the saga's layout: under the partition's hash tag
+    out = f"{broker.keyspace.namespace}:{{saga.out:0}}"
+    await broker.declare(DestinationSpec("saga.out", "command"))
+    await broker.redis.hset(state, mapping={"v": 2, "s": "{}"})
+
+    tx = RedisEffects()
+    tx.expect(state, "v", 1)  # the step read version 1; another step has saved 2 since
+    tx.hset(state, "v", 2, "s", '{"stale": true}')
+    sent = Envelope(destination="saga.out", kind="command", type="t", body=b"{}", id=new_id())
+    with pytest.raises(EffectsConflict, match="run the handler again"):
+        await broker.commit_effects(d, tx.commands, tx.keys, [sent])
+    assert await broker.redis.hgetall(state) == {b"v": b"2", b"s": b"{}"}  # nothing written
+    assert await broker.redis.xlen(out) == 0  # nothing sent
+    assert await _pending(broker, view.stream) == 1  # not acked: the step runs again
+
+    tx = RedisEffects()
+    tx.expect(state, "v", 2)
+    tx.hset(state, "v", 3, "s", '{"fresh": true}')
+    assert await broker.commit_effects(d, tx.commands, tx.keys, [sent]) is True
+    assert await broker.redis.hget(state, "v") == b"3"
+    assert await broker.redis.xlen(out) == 1
+    assert await _pending(broker, view.stream) == 0
+
+    # expect(..., None): the field must be absent (a saga's first message)
+    await broker.publish([Envelope(destination="saga.guard", kind="command", type="t", body=b"{}", id=new_id())])
+    [d2] = await broker.read(view, "c", 10, 10)
+    tx = RedisEffects()
+    tx.expect(state, "v", None)
+    tx.hset(state, "v", 1)
+    with pytest.raises(EffectsConflict):
+        await broker.commit_effects(d2, tx.commands, tx.keys)
+    assert await broker.redis.hget(state, "v") == b"3"
+
+
+def test_conflicts_are_retried_at_once_and_never_dead_letter_the_step() -> None:
+    policy = SagaRetryPolicy(max_attempts=2)
+    assert policy.decide(5, EffectsConflict("x")).action == "retry"  # past max_attempts: still retried
+    assert policy.decide(2, RuntimeError("x")).action == "dead"
+
+
+def test_declaration_errors_name_the_step() -> None:
+    svc = Service("decl")
+    saga = svc.saga("s", state=dict)
+
+    with pytest.raises(HandlerError, match="takes \\(message, ctx: SagaContext\\)"):
+
+        @saga.event("decl.e", correlate=lambda e: e["id"])
+        async def no_ctx(event: dict) -> None: ...
+
+    @saga.event("decl.e2", correlate=lambda e: e["id"])
+    async def ok(event: dict, ctx: SagaContext[dict]) -> None: ...
+
+    with pytest.raises(HandlerError, match="already"):
+
+        @saga.event("decl.e2", correlate=lambda e: e["id"])
+        async def again(event: dict, ctx: SagaContext[dict]) -> None: ...
+
+    assert [h.destination.name for h in svc.handlers] == ["decl.saga.s", "decl.e2"]
+    assert svc.handlers[0].destination.partitions == 4
+
+
+# -- one message per saga at a time, with two runtimes on shared partitions ----------------------------
+
+counting = Service("counting")
+counter = counting.saga("counter", state=dict, partitions=1)
+
+
+@counter.event("count.ticks", correlate=lambda e: e["k"])
+async def tick(event: dict, ctx: SagaContext[dict]) -> None:
+    n = ctx.state.get("n", 0)
+    await anyio.sleep(0.03)  # widen the window between the load and the save: runs overlap
+    ctx.state["n"] = n + 1
+
+
+@pytest.mark.anyio
+async def test_two_runtimes_on_one_shared_partition_lose_no_update(redis_url: str, namespace: str) -> None:
+    """Ownership off: both runtimes read the saga queue's one partition, so steps of one saga run
+    at once in two processes; the version check makes the loser run again on the new state."""
+    settings = attrs.evolve(TEST_SETTINGS, ownership="off")
+    async with (
+        ServiceHarness([counting], url=redis_url, namespace=namespace, settings=settings) as a,
+        ServiceHarness([counting], url=redis_url, namespace=namespace, settings=settings) as b,
+    ):
+        for i in range(150):  # a trickle: each new entry goes to whichever runtime is waiting for one
+            await a.client.publish("count.ticks", {"k": f"k{i % 3}"})
+            await anyio.sleep(0.003)
+        with anyio.fail_after(30):
+            while True:
+                await a.run_until_idle()
+                await b.run_until_idle()
+                stats = [h.stats()["counting.saga_counter"] for h in (a, b)]
+                if sum(s["processed"] for s in stats) >= 150:
+                    break
+                await anyio.sleep(0.1)
+        key = f"{a.broker.keyspace.partition(counter.queue.name, 0).stream}:saga:"
+        states = {k: orjson.loads(await a.broker.redis.hget(key + k, "s")) for k in ("k0", "k1", "k2")}
+        assert states == {"k0": {"n": 50}, "k1": {"n": 50}, "k2": {"n": 50}}
+        assert all(s["processed"] > 0 for s in stats), stats  # both ran steps
+        assert sum(s["retried"] for s in stats) > 0, stats  # and some conflicted: the check was needed
+        assert sum(s["dead_lettered"] for s in stats) == 0
+
+
+# -- starts=False, cancelled timeouts, sync steps, refused delays ------------------------------------
+
+gates = Service("gates")
+gate = gates.saga("gate", state=dict, partitions=1)
+
+
+@gate.command("gate.open", correlate=lambda c: c["id"])
+def opened(cmd: dict, ctx: SagaContext[dict]) -> None:  # a sync step: runs in a worker thread
+    timeout_id = ctx.request_timeout(0.3, {"id": cmd["id"]})
+    ctx.state["timeout"] = timeout_id
+    if cmd.get("cancel"):
+        assert ctx.cancel_timeout(timeout_id) and not ctx.pending_timeouts
+
+
+@gate.command("gate.poke", correlate=lambda c: c["id"], starts=False)
+async def poked(cmd: dict, ctx: SagaContext[dict]) -> None:
+    ctx.state["pokes"] = ctx.state.get("pokes", 0) + 1
+    if cmd.get("later"):
+        ctx.send("gate.elsewhere", {}, delay=1)  # refused: SagaError, dead-lettered at once
+
+
+@gate.timeout
+async def gate_expired(timeout: dict, ctx: SagaContext[dict]) -> None:
+    ctx.state["expired"] = ctx.state.get("expired", 0) + 1
+
+
+@pytest.mark.anyio
+async def test_non_starting_inputs_cancelled_timeouts_and_refused_delays(redis_url: str, namespace: str) -> None:
+    async with ServiceHarness([gates], url=redis_url, namespace=namespace) as h:
+        c = h.client
+        await c.send("gate.poke", {"id": "a"})  # before any open: ignored, starts nothing
+        await h.run_until_idle()
+        await c.send("gate.open", {"id": "a"})
+        await c.send("gate.open", {"id": "b", "cancel": True})
+        await h.run_until_idle()
+        await c.send("gate.poke", {"id": "a"})
+        await c.send("gate.poke", {"id": "b", "later": True})
+        await anyio.sleep(1.5)  # both timeouts due; b's was cancelled
+        await h.run_until_idle()
+        stream = h.broker.keyspace.partition(gate.queue.name, 0).stream
+        a = orjson.loads(await h.broker.redis.hget(f"{stream}:saga:a", "s"))
+        b = orjson.loads(await h.broker.redis.hget(f"{stream}:saga:b", "s"))
+        assert a["pokes"] == 1 and a["expired"] == 1  # the first poke started nothing
+        assert "expired" not in b and "pokes" not in b  # cancelled timeout ignored; the refused step saved nothing
+        assert h.stats()["gates.saga_gate"]["dead_lettered"] == 1
+
+
+# -- the example, in this process -------------------------------------------------------------------
+
+
+def _outcomes(r: redis.Redis, namespace: str) -> dict[str, Any]:
+    def ids(what: str) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for member in r.smembers(record_key(namespace, f"{what}-ids")):
+            order, _, message = member.decode().partition("|")
+            out.setdefault(order, set()).add(message)
+        return out
+
+    return {
+        "shipped": {k.decode(): int(v) for k, v in r.hgetall(record_key(namespace, "shipped")).items()},
+        "cancelled": {k.decode(): int(v) for k, v in r.hgetall(record_key(namespace, "cancelled")).items()},
+        "shipped_ids": ids("shipped"),
+        "cancelled_ids": ids("cancelled"),
+        "cancel_detail": {
+            k.decode(): v.decode() for k, v in r.hgetall(record_key(namespace, "cancelled-detail")).items()
+        },
+    }
+
+
+def _check_once(out: dict[str, Any], orders: list[str]) -> None:
+    """Every order ended exactly once: one message, handled once, shipped or cancelled, never both."""
+    for order in orders:
+        shipped, cancelled = out["shipped"].get(order, 0), out["cancelled"].get(order, 0)
+        ids = out["shipped_ids"].get(order, set()) | out["cancelled_ids"].get(order, set())
+        assert (shipped, cancelled) in ((1, 0), (0, 1)), f"{order}: shipped {shipped}, cancelled {cancelled}"
+        assert len(ids) == 1, f"{order}: ended by {len(ids)} messages"
+
+
+@pytest.mark.anyio
+async def test_orders_ship_once_in_either_order_with_duplicates_and_cancel_on_timeout(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sagaapp, "TIMEOUT", 2.5)
+    r = redis.Redis.from_url(redis_url)
+    async with ServiceHarness([sagaapp.shipping, sagaapp.recorder], url=redis_url, namespace=namespace) as h:
+        c: Client = h.client
+        pay = {o: new_id() for o in ("pay-first", "stock-first", "dup", "only-pay", "late")}
+        stock = {o: new_id() for o in ("pay-first", "stock-first", "dup", "only-stock", "late")}
+
+        async def payment(order: str) -> None:
+            await c.publish(PAYMENTS, PaymentCaptured(order, 1000), key=order, message_id=pay[order])
+
+        async def reserve(order: str) -> None:
+            await c.publish(STOCK, StockReserved(order, f"sku-{order}"), key=order, message_id=stock[order])
+
+        await payment("pay-first")
+        await reserve("stock-first")
+        await payment("dup")
+        await payment("only-pay")
+        await reserve("only-stock")
+        await payment("late")
+        await h.run_until_idle()
+        # (a copy published while the first still runs waits out its inbox lease: sent after it)
+        await payment("dup")  # the same message again: a second stream entry of one id
+        await reserve("pay-first")
+        await payment("stock-first")
+        await reserve("dup")
+        with anyio.fail_after(10):  # two hops each (the forward, then the step): poll for the outcome
+            while len(_outcomes(r, namespace)["shipped"]) < 3:
+                await anyio.sleep(0.05)
+        await reserve("dup")
+        await h.run_until_idle()
+        out = _outcomes(r, namespace)
+        assert out["shipped"] == {"pay-first": 1, "stock-first": 1, "dup": 1}
+        assert out["cancelled"] == {}
+
+        with anyio.fail_after(15):
+            while len(_outcomes(r, namespace)["cancelled"]) < 3:
+                await anyio.sleep(0.1)
+        await reserve("late")  # after its timeout cancelled it: ignored, it starts no new saga
+        await payment("dup")  # a late duplicate for a completed saga: ignored
+        await h.run_until_idle()
+        await anyio.sleep(3.0)  # a timeout the late message would have requested would have fired by now
+        await h.run_until_idle()
+        out = _outcomes(r, namespace)
+        _check_once(out, ["pay-first", "stock-first", "dup", "only-pay", "only-stock", "late"])
+        assert set(out["cancelled"]) == {"only-pay", "only-stock", "late"}
+        assert out["cancel_detail"] == {
+            "only-pay": "refund=1000 release=None",  # compensation: what the saga saw
+            "only-stock": "refund=0 release=sku-only-stock",
+            "late": "refund=1000 release=None",
+        }
+        # completed sagas leave a tombstone with an expiry, no state
+        for p in range(sagaapp.fulfilment.queue.partitions):
+            stream = h.broker.keyspace.partition(sagaapp.fulfilment.queue.name, p).stream
+            for key in r.scan_iter(f"{stream}:saga:*"):
+                assert r.hget(key, "done") == b"1" and r.hget(key, "s") is None
+                assert 0 < r.pttl(key) <= sagaapp.fulfilment.keep_completed_ms
+
+
+@pytest.mark.anyio
+async def test_a_message_for_no_step_is_dead_lettered_not_retried(redis_url: str, namespace: str) -> None:
+    async with ServiceHarness([sagaapp.shipping], url=redis_url, namespace=namespace) as h:
+        await h.client.send(sagaapp.fulfilment.queue, {"x": 1}, key="o-1", headers={SAGA_INPUT: "nowhere"})
+        await h.run_until_idle()
+        stats = h.stats()["shipping.saga_fulfilment"]
+        assert stats["dead_lettered"] == 1 and stats["retried"] == 0
+    assert issubclass(SagaError, Exception)
+
+
+# -- the example under faults: three worker processes, kills, races ---------------------------------
+
+
+@attrs.frozen
+class _Order:
+    id: str
+    first: str  # "pay" or "stock"
+    second: bool  # the other message is sent at all
+    race: bool  # the other message is sent at about the timeout
+
+
+@pytest.mark.slow
+def test_each_order_ends_shipped_or_cancelled_exactly_once_across_kills_and_races(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    """90 orders on 3 workers: a third get both messages (random order, some twice), a third one
+    message (must cancel), a third their second message at about the timeout (either outcome);
+    a worker is SIGKILLed while the messages flow and another while the races run."""
+    timeout = 4.0
+    opts = ("--visibility-timeout", "2", "--lease-ttl", "2")
+    env = {"SAGA_TIMEOUT": str(timeout)}
+
+    def start(name: str) -> Any:
+        return workers.start("sagaapp:shipping", name, *opts, **env)
+
+    procs = {f"w{i}": start(f"w{i}") for i in range(3)}
+    workers.start("sagaapp:recorder", "recorder", *opts)
+    for name in [*procs, "recorder"]:
+        wait_for(lambda name=name: "runtime started" in workers.log(name), 30, f"{name} to start")
+    rng = random.Random(13)
+    orders = [_Order(f"o{i}", rng.choice(["pay", "stock"]), second=i % 3 != 1, race=i % 3 == 2) for i in range(90)]
+    r = redis.Redis.from_url(redis_url)
+
+    def message(client: SyncClient, order: _Order, which: str) -> None:
+        if which == "pay":
+            client.publish(PAYMENTS, PaymentCaptured(order.id, 500), key=order.id, message_id=ids[(order.id, which)])
+        else:
+            client.publish(STOCK, StockReserved(order.id, "sku"), key=order.id, message_id=ids[(order.id, which)])
+
+    ids = {(o.id, w): new_id() for o in orders for w in ("pay", "stock")}
+    later: list[tuple[float, _Order, str]] = []
+    with SyncClient(redis_url, namespace=namespace) as client:
+        t0 = time.monotonic()
+        for n, order in enumerate(orders):
+            other = "stock" if order.first == "pay" else "pay"
+            message(client, order, order.first)
+            if rng.random() < 0.3:
+                message(client, order, order.first)  # a duplicate delivery
+            if order.race:
+                later.append((time.monotonic() + timeout + rng.uniform(-0.5, 1.0), order, other))
+            elif order.second:
+                later.append((time.monotonic() + rng.uniform(0.2, 1.5), order, other))
+            if n == 45:
+                procs["w0"].send_signal(signal.SIGKILL)  # mid-run, while the first messages flow
+            time.sleep(0.02)
+        procs["w0"].wait()
+        procs["w0"] = start("w0")
+        killed_in_race = False
+        for due, order, which in sorted(later, key=lambda x: x[0]):
+            time.sleep(max(0.0, due - time.monotonic()))
+            message(client, order, which)
+            if rng.random() < 0.2:
+                message(client, order, which)
+            if not killed_in_race and time.monotonic() - t0 > timeout + 1.0:
+                procs["w1"].send_signal(signal.SIGKILL)  # while timeouts and last messages race
+                killed_in_race = True
+        procs["w1"].wait()
+        procs["w1"] = start("w1")
+
+    def ended() -> int:
+        out = _outcomes(r, namespace)
+        return len(set(out["shipped"]) | set(out["cancelled"]))
+
+    wait_for(lambda: ended() == len(orders), 60, "every order to end")
+    time.sleep(timeout)  # anything still due (a timeout of a shipped order) has fired by now
+    out = _outcomes(r, namespace)
+    _check_once(out, [o.id for o in orders])
+    for o in orders:
+        if not o.second:
+            assert o.id in out["cancelled"], f"{o.id} got one message but was not cancelled"
+            refund = "500" if o.first == "pay" else "0"
+            assert out["cancel_detail"][o.id].startswith(f"refund={refund} "), out["cancel_detail"][o.id]
+        elif not o.race:
+            assert o.id in out["shipped"], f"{o.id} got both messages in time but was not shipped"
+    races = [o.id for o in orders if o.race]
+    assert killed_in_race
+    print(
+        "races shipped:",
+        sum(o in out["shipped"] for o in races),
+        "cancelled:",
+        sum(o in out["cancelled"] for o in races),
+    )
