@@ -25,31 +25,16 @@ from typing import Any
 
 import anyio
 
+from benchmarks.ownership_bench import OWNED, WORKER_OPTS, _send
 from benchmarks.procs import child
 from broker.embedded_cluster import start_cluster
 from broker.sync_client import sync_client
-from framework import Client, Queue, Service
 from framework.testing import delete_namespace, unique_namespace
 
 __all__ = ["SPREAD", "run", "trial"]
 
-SPREAD = Queue("bench.spread", partitions=8)
-KEYS = 1000
-WORKER_OPTS = ("--concurrency", "64", "--prefetch", "500")
-
-spread = Service("spread")  # the inbox is on (the default)
-
-
-@spread.command(SPREAD, key=lambda c: c["k"])
-async def handle(cmd: dict[str, Any]) -> None:
-    """Does nothing: the benchmark measures the runtime's own cost per message."""
-
-
-async def _send(url: str, namespace: str, n: int) -> None:
-    async with Client(url, namespace=namespace) as client:
-        for start in range(0, n, 5000):
-            batch = [{"k": str(i % KEYS), "n": i} for i in range(start, min(start + 5000, n))]
-            await client.send_many(SPREAD, batch, key=lambda c: c["k"])
+# The ownership benchmark's service and backlog (8 partitions, 1,000 keys, a handler that does nothing).
+SPREAD = OWNED
 
 
 def trial(url: str, n: int, workers: int, label: str) -> dict[str, Any]:
@@ -63,7 +48,7 @@ def trial(url: str, n: int, workers: int, label: str) -> dict[str, Any]:
 
     try:
         anyio.run(functools.partial(_send, url, namespace, n))
-        args = ["-m", "framework", "run", "benchmarks.cluster_bench:spread", "--redis-url", url]
+        args = ["-m", "framework", "run", "benchmarks.ownership_bench:owned", "--redis-url", url]
         args += ["--namespace", namespace, "--log-format", "json", *WORKER_OPTS]
         with contextlib.ExitStack() as stack:
             procs = [

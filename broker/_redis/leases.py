@@ -11,7 +11,6 @@ anything. Times are the server's (``TIME`` in the scripts), never a host's clock
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 
@@ -97,20 +96,9 @@ class Leases(Reading):
             start = cursors.get(stream, "0-0")
             if start == "done":
                 continue
-            reply: Any = await self.redis.execute_command(
-                "XAUTOCLAIM", stream, source.group, consumer, 0, start, "COUNT", count
-            )
-            nxt = text(reply[0])
+            nxt, claimed = await self._autoclaim(source, stream, consumer, 0, start, count)
             cursors[stream] = "done" if nxt == "0-0" else nxt
-            entries = [e for e in reply[1] if e is not None]
-            if not entries:
-                continue
-            ids = [text(e[0]) for e in entries]
-            rows = await self.redis.execute_command(
-                "XPENDING", stream, source.group, ids[0], ids[-1], len(ids) * 2 + 10, consumer
-            )
-            counts = {text(p[0]): int(p[3]) for p in rows}
-            out += self._deliveries(source, [[stream, entries]], counts)
+            out += claimed
         return out
 
     @staticmethod

@@ -101,20 +101,29 @@ class Reading(RedisCore):
         for stream in (source.stream, source.keys.redeliver):
             cursor_key = (stream, source.group)
             start = self._claim_cursor.get(cursor_key, "0-0")
-            reply = await self.redis.execute_command(
-                "XAUTOCLAIM", stream, source.group, consumer, min_idle_ms, start, "COUNT", count
+            self._claim_cursor[cursor_key], claimed = await self._autoclaim(
+                source, stream, consumer, min_idle_ms, start, count
             )
-            self._claim_cursor[cursor_key] = text(reply[0])
-            entries = [e for e in reply[1] if e is not None]
-            if not entries:
-                continue
-            ids = [text(e[0]) for e in entries]
-            rows = await self.redis.execute_command(
-                "XPENDING", stream, source.group, ids[0], ids[-1], len(ids) * 2 + 10, consumer
-            )
-            counts = {text(p[0]): int(p[3]) for p in rows}
-            out += self._deliveries(source, [[stream, entries]], counts)
+            out += claimed
         return out
+
+    async def _autoclaim(
+        self, source: GroupPartition, stream: str, consumer: str, min_idle_ms: int, start: str, count: int
+    ) -> tuple[str, list[Delivery]]:
+        """One XAUTOCLAIM of ``stream`` from ``start``: the next cursor and the claimed deliveries,
+        with their delivery counts (one XPENDING over the claimed range)."""
+        reply = await self.redis.execute_command(
+            "XAUTOCLAIM", stream, source.group, consumer, min_idle_ms, start, "COUNT", count
+        )
+        entries = [e for e in reply[1] if e is not None]
+        if not entries:
+            return text(reply[0]), []
+        ids = [text(e[0]) for e in entries]
+        rows = await self.redis.execute_command(
+            "XPENDING", stream, source.group, ids[0], ids[-1], len(ids) * 2 + 10, consumer
+        )
+        counts = {text(p[0]): int(p[3]) for p in rows}
+        return text(reply[0]), self._deliveries(source, [[stream, entries]], counts)
 
     async def release_own_pending(
         self, source: GroupPartition, consumer: str, idle_ms: int, *, keep: Iterable[str] = ()

@@ -372,14 +372,21 @@ async def watch_runtime(runtime: Any) -> None:
     """Refresh ``runtime``'s lag, pending and dead letters every :data:`REFRESH_INTERVAL` seconds
     until cancelled; then keep its counters (they never go down) and drop its gauges."""
     try:
-        while True:
-            try:
-                await refresh_runtime(runtime)
-            except Exception as exc:  # the broker unreachable: the connectivity log says so
-                log.debug("could not read consumer lag for metrics", error=f"{type(exc).__name__}: {exc}")
-            await anyio.sleep(REFRESH_INTERVAL)
+        # the broker unreachable: the connectivity log says so
+        await _refresh_forever(refresh_runtime, runtime, "could not read consumer lag for metrics")
     finally:
         _retire(runtime)
+
+
+async def _refresh_forever(refresh: Any, target: Any, failed: str) -> None:
+    """``await refresh(target)`` every :data:`REFRESH_INTERVAL` seconds until cancelled; a failure
+    is a debug line (``failed``) and the next round tries again."""
+    while True:
+        try:
+            await refresh(target)
+        except Exception as exc:
+            log.debug(failed, error=f"{type(exc).__name__}: {exc}")
+        await anyio.sleep(REFRESH_INTERVAL)
 
 
 async def refresh_relay(relay: Any) -> None:
@@ -402,11 +409,7 @@ async def refresh_relay(relay: Any) -> None:
 async def watch_relay(relay: Any) -> None:
     """Refresh the relay's backlog every :data:`REFRESH_INTERVAL` seconds until cancelled."""
     try:
-        while True:
-            try:
-                await refresh_relay(relay)
-            except Exception as exc:  # the database unreachable: the relay logs that itself
-                log.debug("could not read the outbox backlog for metrics", error=f"{type(exc).__name__}: {exc}")
-            await anyio.sleep(REFRESH_INTERVAL)
+        # the database unreachable: the relay logs that itself
+        await _refresh_forever(refresh_relay, relay, "could not read the outbox backlog for metrics")
     finally:
         _relays.pop(id(relay), None)
