@@ -53,6 +53,7 @@ class Context:
         "_handler",
         "_outgoing",
         "_sql_done",
+        "_sql_error",
         "_staged",
         "attempt",
     )
@@ -66,6 +67,7 @@ class Context:
         self._staged = 0  # messages staged so far, including those moved to a SQL outbox: their positions
         self._duplicate = False  # a SQL transaction found this message already processed
         self._sql_done = False  # a SQL transaction of this run committed
+        self._sql_error: BaseException | None = None  # a SQL block of this run did not commit
         self._extra_headers: dict[str, str] | None = None  # set by middleware for every outgoing message
         self.attempt = attempt
         """This attempt's number (1 for the first), counting retries and crash redeliveries."""
@@ -171,6 +173,22 @@ class Context:
 
     def _sql_committed(self) -> None:
         self._sql_done = True
+
+    def _run_mark(self) -> tuple[int, int]:
+        """Where a run starts (see :meth:`_reset_run`)."""
+        return len(self._outgoing), self._staged
+
+    def _reset_run(self, mark: tuple[int, int]) -> None:
+        """Forget what the run from ``mark`` staged and recorded, to run the handler again with this context."""
+        del self._outgoing[mark[0] :]
+        self._staged = mark[1]
+        self._effects = None
+        self._duplicate = self._sql_done = False
+        self._sql_error = None
+
+    def _sql_failed(self, error: BaseException) -> None:
+        """A SQL block of this run did not commit: the run fails with ``error`` even if the handler catches it."""
+        self._sql_error = error
 
     @property
     def hash_tag(self) -> str:

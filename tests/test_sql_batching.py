@@ -258,3 +258,147 @@ def test_workers_killed_mid_group_lose_and_double_nothing(
         extra=("--group-commit-ms", "50", "--sql-connections", "2"),
     )
     assert kills == 8
+
+
+async def _passing(message: Any, ctx: Context, call_next: Any) -> Any:
+    return await call_next()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("middleware", [False, True], ids=["direct", "with-middleware"])
+async def test_blocks_sharing_a_transaction_with_a_failing_one_run_again_uncounted(
+    pg_url: str, redis_url: str, namespace: str, middleware: bool
+) -> None:
+    """Without savepoints a failing block rolls back its whole group; the others run again, and
+    a handler that catches that rollback still does not get its message acked without its row."""
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    probe = Probe()
+    runs: dict[str, int] = {}
+    retry = RetryPolicy(max_attempts=2, immediate=0, backoff=0.01)
+    svc = Service("counter", retry=retry, middleware=[_passing] if middleware else [])
+
+    @svc.command("counter.increment")
+    async def increment(cmd: dict, ctx: Context) -> None:
+        probe.see(engine)
+        runs[cmd["n"]] = runs.get(cmd["n"], 0) + 1
+        try:  # a handler that swallows every error of its block (it must not lose the row)
+            async with ctx.sql_transaction(engine) as conn:
+                await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": cmd["n"]})
+                ctx.publish("counter.incremented", {"n": cmd["n"]})
+                await anyio.sleep(0.002)
+                if cmd["n"].startswith("bad"):
+                    raise RuntimeError(f"{cmd['n']} always fails")
+                await conn.execute(text("UPDATE counters SET value = value + 1 WHERE name = 'total'"))
+        except RuntimeError:
+            raise
+        except Exception:
+            pass
+
+    bad = [f"bad-{i}" for i in range(3)]
+    names = [str(n) for n in range(150)]
+    for i, name in enumerate(bad):
+        names.insert(40 * (i + 1), name)  # each lands behind finished members of its group
+    settings = _settings(sql_connections=1, group_commit_size=64, group_commit_wait=0.2)
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as h:
+            await h.client.send_many("counter.increment", [{"n": n} for n in names])
+            await h.run_until_idle()
+            stats = h.stats()["counter.increment"]
+    finally:
+        await engine.dispose()
+    assert await _counts(pg_url) == (150, 150, 150, 150)  # every good row once, nothing of the bad ones
+    committer = probe.committer
+    assert committer.rollbacks >= 3, "no failure rolled back a shared transaction: the test tests nothing"
+    assert stats["failed"] == 2 * len(bad), stats  # only the bad ones' attempts count as failures
+    assert stats["dead_lettered"] == len(bad)
+    assert max(runs[n] for n in names if not n.startswith("bad")) >= 2  # some good ones ran again
+
+
+@pytest.mark.anyio
+async def test_a_message_committed_meanwhile_is_a_duplicate_at_commit_and_the_others_run_again(
+    pg_url: str, redis_url: str, namespace: str
+) -> None:
+    """A copy's inbox row was committed by another run after this run's block began (here: written
+    beforehand, as a worker that died after its commit leaves it): the group's commit collides."""
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    probe = Probe()
+    svc = _counter(engine, probe, sleep=0.002, inbox="sql")
+    settings = _settings(sql_connections=1, group_commit_size=64, group_commit_wait=0.2)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO framework_inbox (group_name, message_id, processed_at) "
+                    "VALUES ('counter', 'm-7', now())"
+                )
+            )
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as h:
+            for n in range(40):
+                await h.client.send("counter.increment", {"n": str(n)}, message_id=f"m-{n}")
+            await h.run_until_idle()
+            stats = h.stats()["counter.increment"]
+    finally:
+        await engine.dispose()
+    assert await _counts(pg_url) == (39, 39, 39, 39)  # m-7's block ran, and nothing of it was kept
+    assert probe.committer.rollbacks >= 1
+    assert stats["duplicates"] == 1 and stats["failed"] == 0, stats
+
+
+@pytest.mark.anyio
+async def test_a_retry_looks_itself_up_before_its_block_runs(pg_url: str, redis_url: str, namespace: str) -> None:
+    """An attempt after the first may follow a run that committed (a lost connection at COMMIT, a
+    worker that died before its ack): it finds its inbox row first and its block does not run."""
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    entered: list[int] = []
+    svc = Service("counter", retry=RetryPolicy(max_attempts=3, immediate=0, backoff=0.01))
+
+    @svc.command("counter.increment")
+    async def increment(cmd: dict, ctx: Context) -> None:
+        if ctx.attempt == 1:  # as if this run's commit had landed and the ack was lost
+            async with engine.begin() as conn:
+                await conn.execute(
+                    text("INSERT INTO framework_inbox (group_name, message_id, processed_at) VALUES (:g, :m, now())"),
+                    {"g": ctx.service, "m": ctx.message_id},
+                )
+            raise ConnectionError("lost after the commit")
+        async with ctx.sql_transaction(engine) as conn:
+            entered.append(ctx.attempt)
+            await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": cmd["n"]})
+
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=_settings()) as h:
+            await h.client.send("counter.increment", {"n": "1"})
+            await h.run_until_idle()
+            stats = h.stats()["counter.increment"]
+    finally:
+        await engine.dispose()
+    assert entered == []
+    assert await _counts(pg_url) == (0, 0, 0, 0)
+    assert stats["duplicates"] == 1 and stats["failed"] == 1, stats
+
+
+@pytest.mark.anyio
+async def test_savepoints_while_blocks_fail_often(pg_url: str, redis_url: str, namespace: str) -> None:
+    """Half of the blocks fail: the committer turns savepoints on, so they roll back alone and the
+    good ones are neither lost, doubled, nor charged a failed attempt."""
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    probe = Probe()
+    bad = {str(n) for n in range(0, 200, 2)}
+    svc = _counter(engine, probe, sleep=0.002, fail=bad, retry=RetryPolicy(max_attempts=1))
+    settings = _settings(sql_connections=2, group_commit_size=32, group_commit_wait=0.05)
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as h:
+            await h.client.send_many("counter.increment", [{"n": str(n)} for n in range(200)])
+            await h.run_until_idle()
+            stats = h.stats()["counter.increment"]
+    finally:
+        await engine.dispose()
+    assert await _counts(pg_url) == (100, 100, 100, 100)
+    assert stats["failed"] == 100 and stats["dead_lettered"] == 100, stats
+    committer = probe.committer
+    assert committer.failure_rate > group_commit.SAVEPOINT_ABOVE
+    assert committer.commits < 100 / 2  # still grouped

@@ -27,13 +27,19 @@ import attrs
 from broker import Delivery, now_ms
 from framework.context import Context
 from framework.effects import AlreadyProcessed
+from framework.group_commit import RolledBackWithGroup
 from framework.middleware import CallNext, InboundMessage, Middleware, Outcome
 from framework.retries import Decision, HandlerTimeout
 from framework.runtime.ledger import Ledger, Slot
 from framework.runtime.settle import SETTLED, Settlement
 from framework.runtime.wiring import Wiring
 
-__all__ = ["Attempts", "outcome_of"]
+__all__ = ["MAX_RERUNS", "Attempts", "outcome_of"]
+
+MAX_RERUNS = 10
+"""Runs of one attempt whose SQL block was rolled back with its shared transaction through no fault
+of its own (:class:`~framework.group_commit.RolledBackWithGroup`) run again at once, not counted as
+failed attempts, this many times; then such a rollback counts as a failed attempt."""
 
 
 def outcome_of(decision: Decision, attempt: int, exc: BaseException, *, in_place: bool = False) -> Outcome:
@@ -108,6 +114,7 @@ class Attempts:
         observer = self.observer
         watch = None
         first_failed: int | None = None
+        reruns = 0
         while True:
             ctx = Context(d, handler, attempt, broker)
             if observer is not None:
@@ -122,6 +129,8 @@ class Attempts:
                     await fn(payload, ctx)
                 else:
                     await fn(payload)
+                if ctx._sql_error is not None:  # its SQL block did not commit, and the handler caught that
+                    raise ctx._sql_error
                 slot.delivery = None
                 if ctx.redis_effects is not None:  # a failed commit (the broker unreachable) is a failed attempt
                     await self.settle.commit_effects(ledger, d, ctx, attempt)
@@ -141,6 +150,11 @@ class Attempts:
                 return ctx
             except (Exception, SystemExit) as exc:  # sys.exit() in a handler fails its attempt, not the process
                 slot.delivery = None
+                if isinstance(exc, RolledBackWithGroup) and reruns < MAX_RERUNS:  # another block's doing
+                    reruns += 1
+                    if watch is not None:
+                        observer.end(watch, "retry", Outcome("retry", attempt, exc, delay=0.0, in_place=True))
+                    continue
                 first_failed = first_failed or now_ms()
                 outcome = self.failed(attempt, exc)
                 if watch is not None:
@@ -251,12 +265,22 @@ class Attempts:
             slot.attempt = attempt
             slot.runs += 1
             try:
-                if not handler.is_async:
-                    await self._call_sync(payload, ctx)
-                elif handler.takes_context:
-                    await handler.fn(payload, ctx)
-                else:
-                    await handler.fn(payload)
+                mark = ctx._run_mark()
+                for rerun in range(MAX_RERUNS + 1):
+                    try:
+                        if not handler.is_async:
+                            await self._call_sync(payload, ctx)
+                        elif handler.takes_context:
+                            await handler.fn(payload, ctx)
+                        else:
+                            await handler.fn(payload)
+                        if ctx._sql_error is not None:  # its SQL block did not commit, and the handler caught that
+                            raise ctx._sql_error
+                        break
+                    except RolledBackWithGroup:  # another block's doing: run again, not a failed attempt
+                        if rerun == MAX_RERUNS:
+                            raise
+                        ctx._reset_run(mark)
                 slot.delivery = None
                 if ctx.redis_effects is not None:
                     outcome = await self.settle.commit_effects(ledger, d, ctx, attempt)
