@@ -2,6 +2,7 @@
 
     python -m benchmarks [--quick] [--repeats N] [--only NAME ...] [--json PATH]
     python -m benchmarks soak [--minutes 20] [--rate R]    (SQL effects under faults; not in the default run)
+    python -m benchmarks sql-breakdown [--workers 1]       (a SQL-effects worker's CPU by layer; not in the default run)
 
 Server: ``$REDIS_URL`` if set, else an embedded Valkey (AOF on) started for the run and removed after.
 Each benchmark works in a namespace of its own and deletes its keys; nothing is ever flushed.
@@ -799,11 +800,21 @@ def _soak(argv: Sequence[str]) -> int:
         procs.remove_logs(keep=True)
 
 
+def _breakdown(argv: Sequence[str]) -> int:
+    """``python -m benchmarks sql-breakdown``: the SQL handler's CPU by layer (:mod:`benchmarks.sql_breakdown`)."""
+    from benchmarks import sql_breakdown
+
+    with _server() as (url, _embedded):
+        return sql_breakdown.main(url, argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmarks; exit 1 if a runtime benchmark failed (missed targets and absent modules are reported)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["soak"]:
         return _soak(argv[1:])
+    if argv[:1] == ["sql-breakdown"]:
+        return _breakdown(argv[1:])
     args = _parse(argv)
     sizes = QUICK if args.quick else FULL
     repeats = args.repeats or (1 if args.quick else 3)

@@ -14,6 +14,11 @@ environment which database to write to (``BENCH_DATABASE_URL``) and where to rep
 4. if the message asks for it (``record``), pushes ``seq:publish-to-commit ns`` to the latency
    list :func:`latency_key` after the commit (only the latency phase sets it: one round trip).
 
+``BENCH_VARIANT`` (for :mod:`benchmarks.sql_breakdown` only) runs part of that handler, to
+split its CPU between the runtime, the SQL block and the statement: ``sleep`` (the work alone, no
+block), ``block`` (the block and the work, no statement), ``driver`` (the row through the psycopg
+connection under the SQLAlchemy one, no SQLAlchemy layers); unset or ``full``: the handler above.
+
 The engine is the framework's own (``framework.outbox.create_engine``: SQLAlchemy, psycopg 3,
 its default pool), created lazily in the worker, as a user would. ``BENCH_INBOX=sql`` declares the
 service ``inbox="sql"`` (no Redis inbox), else the Redis inbox is on (the default).
@@ -109,15 +114,26 @@ def engine() -> Any:
 
 
 service = Service(GROUP, inbox="sql" if os.environ.get("BENCH_INBOX") == "sql" else True)
+_VARIANT = os.environ.get("BENCH_VARIANT", "full")
+_DRIVER_INSERT = f"INSERT INTO {EFFECTS_TABLE} (seq, sent_ns) VALUES (%s, %s)"
 
 
 @service.command(SQL_QUEUE)
 async def apply(msg: SqlMessage, ctx: Context) -> None:
-    """2 ms of work and one row, inside the framework's SQL transaction (inbox row first)."""
+    """2 ms of work and one row, inside the framework's SQL transaction (its inbox row with it)."""
+    if _VARIANT == "sleep":
+        await anyio.sleep(WORK_S)
+        return
     async with ctx.sql_transaction(engine()) as conn:
         await anyio.sleep(WORK_S)
         if msg.fail:
             raise AlwaysFails(f"message {msg.seq} always fails")
+        if _VARIANT == "block":
+            return
+        if _VARIANT == "driver":
+            raw = (await conn.get_raw_connection()).driver_connection
+            await raw.execute(_DRIVER_INSERT, (msg.seq, msg.sent_ns))
+            return
         await conn.execute(_INSERT, {"seq": msg.seq, "sent_ns": msg.sent_ns})
     if msg.record:
         committed = time.time_ns()

@@ -210,7 +210,7 @@ class Context:
         return self._effects
 
     def sql_transaction(self, engine: Any) -> AbstractAsyncContextManager[Any]:
-        """A SQL transaction that records this message in the inbox table first (exactly-once effects).
+        """A SQL transaction that records this message in the inbox table with its effects (exactly once).
 
         ``async with ctx.sql_transaction(engine) as conn: ...``. A message already recorded raises
         :class:`~framework.effects.AlreadyProcessed` (the runtime acks it as a duplicate). Messages

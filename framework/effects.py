@@ -4,15 +4,16 @@
 call together with the handler's outgoing messages, the inbox mark and the ack. If the message
 was already processed (a duplicate that slipped past the batch check) nothing is applied.
 
-``ctx.sql_transaction(engine)`` runs the block in a SQL transaction whose first statement records
-the message in the inbox table (``INSERT ... ON CONFLICT DO NOTHING``); a duplicate raises
-:class:`AlreadyProcessed`, which the runtime acknowledges without running the rest. Messages staged
-inside the block are written to the outbox table in the same transaction; the outbox relay
-publishes them. Everything after the block is not exactly-once: if the handler fails after the
-commit, its retry finds the message processed and skips the rest, so every effect and every send
-belongs inside the block (staging after it logs a warning). In a running worker on PostgreSQL
-the transaction is shared by several handlers' blocks, each in its own savepoint, and the block
-returns once it committed (see :mod:`framework.group_commit`).
+``ctx.sql_transaction(engine)`` runs the block in a SQL transaction that records the message in
+the inbox table; a message recorded before raises :class:`AlreadyProcessed`, which the runtime
+acknowledges without keeping anything of the block. Messages staged inside the block are written
+to the outbox table in the same transaction; the outbox relay publishes them. Everything after the
+block is not exactly-once: if the handler fails after the commit, its retry finds the message
+processed and skips the rest, so every effect and every send belongs inside the block (staging
+after it logs a warning). Outside a worker, and on SQLite, the inbox row is the transaction's
+first statement (``INSERT ... ON CONFLICT DO NOTHING``). In a worker on PostgreSQL the transaction
+is shared by several handlers' blocks, their inbox rows written with its commit, and the block
+returns once it committed (see :mod:`framework.group_commit`, which says when a block runs again).
 """
 
 from __future__ import annotations

@@ -333,6 +333,8 @@ class GroupCommitter:
         elif link.members and self.failure_rate > SAVEPOINT_ABOVE:
             parts.append("RELEASE SAVEPOINT fw; SAVEPOINT fw" if link.savepoint else "SAVEPOINT fw")
             link.savepoint = True
+        else:  # an earlier member's savepoint is not this one's: undoing to it would undo that member too
+            link.savepoint = False
         if ctx.attempt > 1:  # a retry or a redelivery: an earlier run may have committed
             parts.append(f"SELECT 1 FROM framework_inbox WHERE group_name = {service} AND message_id = {message_id}")
         return "; ".join(parts) if parts else None

@@ -6,6 +6,7 @@ no failed message's row, whatever the grouping did.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -402,3 +403,71 @@ async def test_savepoints_while_blocks_fail_often(pg_url: str, redis_url: str, n
     committer = probe.committer
     assert committer.failure_rate > group_commit.SAVEPOINT_ABOVE
     assert committer.commits < 100 / 2  # still grouped
+
+
+class _BlockContext:
+    """What ``GroupCommitter.transaction`` reads of a handler's context."""
+
+    service = "counter"
+    attempt = 1
+
+    def __init__(self, message_id: str) -> None:
+        self.message_id = message_id
+        self.outgoing: list[Any] = []
+        self.error: BaseException | None = None
+
+    def _unstage_from(self, position: int) -> list[Any]:
+        return []
+
+    def _sql_committed(self) -> None:
+        pass
+
+    def _sql_failed(self, error: BaseException) -> None:
+        self.error = error
+
+
+@pytest.mark.anyio
+async def test_a_block_without_a_savepoint_never_rolls_back_to_an_earlier_members_savepoint(pg_url: str) -> None:
+    """Savepoints go on and off with the failure rate: a block that joined without one and fails
+    must not be undone to the savepoint an earlier member opened (that member's work would go
+    with it while its inbox row commits: an effect lost)."""
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    committer = group_commit.GroupCommitter(engine, size=64, wait=10.0, connections=1)
+    returned: list[str] = []
+    go = anyio.Event()
+
+    async def member(name: str, rate_after: float | None, fail: bool) -> None:
+        ctx = _BlockContext(f"m-{name}")
+        with contextlib.suppress(RuntimeError, group_commit.GroupCommitFailed):
+            async with committer.transaction(ctx) as conn:  # type: ignore[arg-type]
+                await go.wait()  # the first holds the one connection until the others wait for it
+                await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": name})
+                if rate_after is not None:  # what the next member to join sees
+                    committer.failure_rate = rate_after
+                if fail:
+                    raise RuntimeError(f"{name} fails")
+            returned.append(name)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(member, "first", 1.0, False)  # the next one opens a savepoint
+            await anyio.sleep(0.2)
+            tg.start_soon(member, "second", 0.0, False)  # the next one opens none
+            await anyio.sleep(0.1)
+            tg.start_soon(member, "third", None, True)
+            await anyio.sleep(0.1)
+            go.set()  # one transaction: first, second (in a savepoint), third (in none)
+    finally:
+        await committer.aclose()
+        await engine.dispose()
+    engine = outbox.create_engine(pg_url)
+    async with engine.connect() as conn:
+        rows = {r[0] for r in await conn.execute(text("SELECT n FROM applied"))}
+        inbox = {r[0] for r in await conn.execute(text("SELECT message_id FROM framework_inbox"))}
+    await engine.dispose()
+    assert committer.commits + committer.rollbacks == 1, "the three blocks were not in one transaction"
+    assert "third" not in rows
+    for name in returned:  # a block that returned normally committed its row with its inbox row
+        assert name in rows and f"m-{name}" in inbox, (name, rows, inbox)
+    assert {f"m-{n}" for n in rows} == inbox  # no inbox row without its effects
