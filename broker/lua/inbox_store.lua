@@ -237,7 +237,10 @@ local function inbox_flush(base)
           inbox_regime(m, inbox_shift_for(math.max(len / 2 ^ b.s, inbox_slot_rate(m, added_all, g.lo, g.hi))), b.s)
         elseif len == added and len < INBOX_SPARSE and b.s < 20 then
           -- a new, nearly empty bucket: if the one before it also stayed nearly empty, the rate
-          -- is lower than the span assumed
+          -- is lower than the span assumed. The new span comes from the slot's rate so far, not
+          -- from that bucket's count: acks arrive out of id order (several workers, handlers of
+          -- different lengths), so the bucket before may still be filling, and a span sized from
+          -- it overshoots into buckets past INBOX_MAX (hashtable-encoded: twice the bytes per id)
           local unit = 2 ^ b.s
           local k = math.floor(b.t / unit) - 1
           local plen = INBOX_SPARSE
@@ -245,7 +248,8 @@ local function inbox_flush(base)
             plen = redis.call('HLEN', base .. ':b:' .. b.s .. ':' .. string.format('%x', k))
           end
           if plen < INBOX_SPARSE then
-            inbox_regime(m, inbox_shift_for(math.max(plen, 1) / unit), b.s)
+            local s = inbox_shift_for(inbox_slot_rate(m, added_all, g.lo, g.hi))
+            if s > b.s then inbox_regime(m, s, b.s) end
           end
         end
       end
