@@ -8,7 +8,7 @@ emptied before each trial):
 
 * ``framework``: ``python -m framework run benchmarks.sql_services:service`` workers (default
   settings: concurrency 64, prefetch 500, Redis inbox on) whose handler does 2 ms of work and inserts
-  one row inside ``ctx.sql_transaction(engine)`` (SQL inbox row first; the runtime's group commit);
+  one row inside ``ctx.sql_transaction(engine)`` (its SQL inbox row with it; the runtime's group commit);
   more framework kinds by name in :data:`FRAMEWORK_MODES` (``inbox="sql"``, one transaction per message);
 * ``plain``: :mod:`benchmarks.plain_sql_consumer` processes (redis-py + psycopg 3, one transaction
   per ``XREADGROUP`` batch of 100 with the same inbox row, work and row per message, ack after commit).

@@ -5,7 +5,7 @@ environment which database to write to (``BENCH_DATABASE_URL``) and where to rep
 (``BENCH_NAMESPACE``). Its one handler, per message:
 
 1. opens ``ctx.sql_transaction(engine)`` (the framework records the message in its SQL inbox,
-   ``framework_inbox``, as the transaction's first statement);
+   ``framework_inbox``, in the same transaction: with the group's commit, in a worker);
 2. does :data:`WORK_S` of work inside the transaction (``await anyio.sleep``, like a call to
    another service or a slow query);
 3. raises if the message says so (``fail``: the soak benchmark's always-failing messages, which

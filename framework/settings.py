@@ -81,7 +81,7 @@ class RuntimeSettings:
                         start and ``framework status`` flags it (default ``$FRAMEWORK_INBOX_MEMORY_BUDGET``,
                         e.g. ``512MiB``, else 256 MiB)
     group_commit_size   ``ctx.sql_transaction`` blocks (PostgreSQL) committed together at most: the
-                        blocks of one worker run in savepoints of a shared transaction that commits
+                        blocks of one worker run as members of a shared transaction that commits
                         after this many, after ``group_commit_wait``, or at once when no other block
                         waits for its connection; 1 is one transaction per message. Keep it at most
                         64 (PostgreSQL's per-transaction cache of subtransactions)
