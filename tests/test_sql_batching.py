@@ -60,6 +60,17 @@ def _counter(engine: Any, probe: Probe, *, sleep: float = 0.005, fail: set[str] 
     return svc_
 
 
+async def _drain(svc: Service, engine: Any, settings: RuntimeSettings, redis_url: str, namespace: str) -> dict:
+    """Send commands 0..199 to ``svc``, run until idle, return the handler's stats; dispose ``engine``."""
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as h:
+            await h.client.send_many("counter.increment", [{"n": str(n)} for n in range(200)])
+            await h.run_until_idle()
+            return h.stats()["counter.increment"]
+    finally:
+        await engine.dispose()
+
+
 @pytest.mark.anyio
 async def test_group_commit_applies_every_effect_once_with_many_handlers_in_flight(
     pg_url: str, redis_url: str, namespace: str
@@ -93,13 +104,7 @@ async def test_a_failing_handler_in_a_group_rolls_back_alone(pg_url: str, redis_
     bad = {str(n) for n in range(5, 200, 20)}
     svc = _counter(engine, probe, fail=bad, retry=RetryPolicy(max_attempts=2, immediate=0, backoff=0.01))
     settings = _settings(sql_connections=1, group_commit_size=32, group_commit_wait=0.05)
-    try:
-        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as h:
-            await h.client.send_many("counter.increment", [{"n": str(n)} for n in range(200)])
-            await h.run_until_idle()
-            stats = h.stats()["counter.increment"]
-    finally:
-        await engine.dispose()
+    stats = await _drain(svc, engine, settings, redis_url, namespace)
     good = 200 - len(bad)
     assert await _counts(pg_url) == (good, good, good, good)  # the failing ones' rows and messages undone
     assert probe.committer.commits < good / 3  # the failures happened inside groups
@@ -391,13 +396,7 @@ async def test_savepoints_while_blocks_fail_often(pg_url: str, redis_url: str, n
     bad = {str(n) for n in range(0, 200, 2)}
     svc = _counter(engine, probe, sleep=0.002, fail=bad, retry=RetryPolicy(max_attempts=1))
     settings = _settings(sql_connections=2, group_commit_size=32, group_commit_wait=0.05)
-    try:
-        async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as h:
-            await h.client.send_many("counter.increment", [{"n": str(n)} for n in range(200)])
-            await h.run_until_idle()
-            stats = h.stats()["counter.increment"]
-    finally:
-        await engine.dispose()
+    stats = await _drain(svc, engine, settings, redis_url, namespace)
     assert await _counts(pg_url) == (100, 100, 100, 100)
     assert stats["failed"] == 100 and stats["dead_lettered"] == 100, stats
     committer = probe.committer
