@@ -50,6 +50,7 @@ different orders can deadlock across links, and PostgreSQL then fails one statem
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections import deque
@@ -113,7 +114,7 @@ class _Group:
     __slots__ = ("done", "error", "ids", "own")
 
     def __init__(self) -> None:
-        self.done = anyio.Event()
+        self.done = asyncio.Event()  # (psycopg's async connections run on asyncio only)
         self.error: BaseException | None = None  # every member's outcome, unless in ``own``
         self.own: dict[tuple[str, str], BaseException] = {}  # one member's outcome, by (service, message id)
         self.ids: dict[tuple[str, str], str] = {}  # finished members: (service, message id) -> inbox row values
@@ -143,14 +144,6 @@ class _Link:
         return self.group is not None
 
 
-class _Waiter:
-    __slots__ = ("event", "link")
-
-    def __init__(self) -> None:
-        self.event = anyio.Event()
-        self.link: _Link | None = None
-
-
 class GroupCommitter:
     """Group commit on one engine (see the module docstring)."""
 
@@ -160,7 +153,7 @@ class GroupCommitter:
         self.wait = wait
         self.connections = connections
         self._free: list[_Link] = []
-        self._waiters: deque[_Waiter] = deque()
+        self._waiters: deque[asyncio.Future[_Link]] = deque()  # handlers waiting for a link, first come first
         self._opened = 0
         self._links: set[_Link] = set()
         self._literals: dict[str, str] = {}
@@ -195,24 +188,40 @@ class GroupCommitter:
             except BaseException:
                 self._opened -= 1
                 raise
-        waiter = _Waiter()
+        waiter: asyncio.Future[_Link] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            await waiter.event.wait()
+            return await waiter
         except BaseException:
-            if waiter.link is not None:  # handed over just as we were cancelled: pass it on
+            if waiter.done() and not waiter.cancelled():  # handed over just as we were cancelled: pass it on
                 with anyio.CancelScope(shield=True):
-                    await self._release(waiter.link)
+                    await self._release(waiter.result())
             else:
-                self._waiters.remove(waiter)
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
             raise
-        assert waiter.link is not None
-        return waiter.link
+
+    def _must_end(self, link: _Link) -> bool:
+        """Whether the member leaving ``link`` ends its transaction (commit or rollback) first."""
+        if link.members:
+            return not self._waiters or link.members >= self.size or time.monotonic() - link.since >= self.wait
+        return link.open and not self._waiters
+
+    def _hand_over(self, link: _Link) -> None:
+        """Give ``link`` to the first handler waiting for one, else put it back."""
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():  # (a cancelled one leaves the queue when it runs again)
+                waiter.set_result(link)
+                return
+        # (rarely with an empty transaction begun for a waiter that left: the next member uses it)
+        self._free.append(link)
 
     async def _release(self, link: _Link) -> None:
         """A member is done with ``link``: commit if it is time, then hand it to the next waiter."""
         if link.members:
-            if not self._waiters or link.members >= self.size or time.monotonic() - link.since >= self.wait:
+            if self._must_end(link):
                 await self._commit(link)
         elif link.open and not self._waiters:  # nothing in it (its only member was a duplicate): end it
             await self._end(link, "ROLLBACK")
@@ -228,12 +237,7 @@ class GroupCommitter:
                     return
             else:
                 return
-        if self._waiters:
-            waiter = self._waiters.popleft()
-            waiter.link = link
-            waiter.event.set()
-        else:  # (rarely with an empty transaction begun for a waiter that left: the next member uses it)
-            self._free.append(link)
+        self._hand_over(link)
 
     async def _commit(self, link: _Link, *, reopen: bool = True) -> None:
         """Write the members' inbox rows and ``COMMIT`` in one round trip (and ``BEGIN`` the next
@@ -377,15 +381,15 @@ class GroupCommitter:
         before = len(ctx.outgoing)
         try:
             yield link.conn
+            if link.raw.info.transaction_status == _INERROR_STATUS:
+                raise GroupCommitFailed(
+                    "a statement failed inside ctx.sql_transaction and the error was caught: "
+                    "the block's transaction cannot commit (let the error propagate, or use "
+                    "conn.begin_nested() around statements that may fail)"
+                )
             staged = ctx.outgoing[before:]
-            with anyio.CancelScope(shield=True):
-                if link.raw.info.transaction_status == _INERROR_STATUS:
-                    raise GroupCommitFailed(
-                        "a statement failed inside ctx.sql_transaction and the error was caught: "
-                        "the block's transaction cannot commit (let the error propagate, or use "
-                        "conn.begin_nested() around statements that may fail)"
-                    )
-                if staged:
+            if staged:
+                with anyio.CancelScope(shield=True):
                     await outbox._stage_pg(link.cursor, staged)
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
@@ -396,12 +400,15 @@ class GroupCommitter:
             raise
         ctx._unstage_from(before)
         self.failure_rate -= self.failure_rate * _DECAY
-        with anyio.CancelScope(shield=True):
-            link.members += 1
-            group.ids[key] = f"({service}, {message_id}, now())"
-            if link.members == 1:
-                link.since = time.monotonic()
-            await self._release(link)
+        link.members += 1
+        group.ids[key] = f"({service}, {message_id}, now())"
+        if link.members == 1:
+            link.since = time.monotonic()
+        if link not in self._links or self._must_end(link):  # this member ends it (shielded: others wait on it)
+            with anyio.CancelScope(shield=True):
+                await self._release(link)
+        else:  # the common case with handlers waiting: nothing to await
+            self._hand_over(link)
         await group.done.wait()  # committed by whichever member ends the transaction
         self._raise(ctx, group.outcome(key))
         ctx._sql_committed()
