@@ -16,7 +16,9 @@ emptied before each trial):
 Both read entries written by :class:`framework.Client` (``send_many``, 1,000 keys). A trial:
 
 1. starts the workers on an empty queue and waits until each one is a consumer of its group, then
-   one more second, and takes their CPU time (``utime + stime`` of ``/proc/PID/stat``);
+   drains :data:`WARMUP` messages (not measured: connections opened, statements prepared and
+   compiled, as in a service that has been running), waits half a second, and takes their CPU
+   time (``utime + stime`` of ``/proc/PID/stat``);
 2. **drain**: fills the queue with N messages (5,000 per ``send_many``; the workers start on them
    at once, so the fill overlaps the first fraction of a second) and polls the effects table every
    50 ms until it holds N rows: ``msgs_per_s = N / (last row seen - fill start)``;
@@ -245,6 +247,24 @@ def _wait_rows(
         time.sleep(0.05)
 
 
+WARMUP = 1_000
+"""Messages drained before a trial's measurement starts (the same for both consumers)."""
+
+
+def warm_up(url: str, namespace: str, done: Callable[[], bool], workers: list[Child], label: str) -> None:
+    """Send :data:`WARMUP` messages (seq ``0 .. WARMUP-1``) and wait until ``done()``, then half a second."""
+    anyio.run(fill, url, namespace, WARMUP)
+    deadline = time.monotonic() + 120
+    while not done():
+        if time.monotonic() > deadline:
+            tail = workers[0].log_tail()
+            raise RuntimeError(f"{label}: the {WARMUP:,} warm-up messages not processed in 120 s:\n{tail}")
+        for w in workers:
+            w.check()
+        time.sleep(0.05)
+    time.sleep(0.5)
+
+
 def drain_trial(
     url: str,
     db_url: str,
@@ -270,10 +290,11 @@ def drain_trial(
             names = {f"w{i}" for i in range(workers)}
             wait_ready(client, stream, group_name(kind), names, procs_, timeout=60)
             time.sleep(1.0)
+            warm_up(url, namespace, lambda: count_rows(db) >= WARMUP, procs_, label)
             cpu0 = sum(process_cpu_s(w.pid) for w in procs_)
             began = time.perf_counter()
-            fill_rate = anyio.run(fill, url, namespace, n)
-            ended = _wait_rows(db, n, procs_, max(120.0, n / 20), label, progress)
+            fill_rate = anyio.run(fill, url, namespace, n, WARMUP)
+            ended = _wait_rows(db, WARMUP + n, procs_, max(120.0, n / 20), label, progress)
             cpu1 = sum(process_cpu_s(w.pid) for w in procs_)
             seconds = ended - began
             result: dict[str, Any] = {
@@ -289,11 +310,11 @@ def drain_trial(
                 f"{label}: drained {n:,} at {result['msgs_per_s']:,.0f} msg/s, "
                 f"{result['cpu_ms_per_msg']:.2f} ms CPU/msg"
             )
-            total = n
+            total = WARMUP + n
             if latency_rate:
                 m = max(1, int(latency_rate * latency_seconds))
-                achieved = anyio.run(_paced, url, namespace, latency_rate, m, n)
-                _wait_rows(db, n + m, procs_, 120.0, label, progress)
+                achieved = anyio.run(_paced, url, namespace, latency_rate, m, total)
+                _wait_rows(db, total + m, procs_, 120.0, label, progress)
                 deadline = time.monotonic() + 30
                 while client.llen(latency_key(namespace)) < m and time.monotonic() < deadline:
                     time.sleep(0.05)

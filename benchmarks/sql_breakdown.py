@@ -6,7 +6,8 @@ Not part of the default run. Each variant of :mod:`benchmarks.sql_services` (``B
 drains the same backlog: ``sleep`` (the 2 ms of work without a SQL block: the runtime, Redis inbox
 and acks), ``block`` (the work inside ``ctx.sql_transaction`` without a statement: the group
 commit), ``driver`` (plus the row through the psycopg connection) and ``full`` (plus the row
-through SQLAlchemy: the benchmark's handler). A drain ends when the stream is empty and nothing
+through SQLAlchemy: the benchmark's handler). After a warm-up (:data:`benchmarks.sql_bench.WARMUP`
+messages, not measured), a drain ends when the stream is empty and nothing
 is pending; client CPU is the workers' ``utime + stime`` over it, per message. The differences
 between rows are what each layer costs at that rate (a slower layer also means fewer messages
 per fetch and per ack, which costs the runtime more per message: compare at similar rates).
@@ -51,9 +52,10 @@ def variant_trial(url: str, db_url: str, variant: str, workers: int, n: int) -> 
         with sql_bench.start_workers("framework", workers, url, db_url, namespace) as procs:
             sql_bench.wait_ready(client, stream, GROUP, {f"w{i}" for i in range(workers)}, procs, timeout=60)
             time.sleep(1.0)
+            sql_bench.warm_up(url, namespace, lambda: _drained(client, stream), procs, variant)
             cpu0 = sum(process_cpu_s(w.pid) for w in procs)
             began = time.perf_counter()
-            anyio.run(sql_bench.fill, url, namespace, n)
+            anyio.run(sql_bench.fill, url, namespace, n, sql_bench.WARMUP)
             deadline = time.monotonic() + max(120.0, n / 20)
             while not _drained(client, stream):
                 if time.monotonic() > deadline:
