@@ -10,9 +10,11 @@ a second transport would come with equivalent reads for those.
 from __future__ import annotations
 
 import ast
+import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import orjson
@@ -423,6 +425,105 @@ async def test_effects_of_a_deleted_entry_are_dead_lettered_as_empty(broker: Bro
         await broker.commit_effects(d, [("HINCRBY", balances, "a", 1), ("LPUSH", wrong, "x")], [balances, wrong])
     [(_, fields)] = await broker.dead_letter_entries(view)
     assert fields[b"dlq-empty"] == b"1" and b"(LPUSH)" in fields[b"dlq-reason"]
+
+
+async def test_concurrent_commits_share_writes_and_keep_their_own_outcomes(broker: Broker, namespace: str) -> None:
+    """150 handlers commit at once (sent in shared writes): each gets its own outcome, as if alone."""
+    spec = await broker.declare(DestinationSpec("wallet.batch", "command"))
+    [view] = await broker.subscribe(spec, "wallet")
+    await broker.publish([command("wallet.batch", n) for n in range(150)])
+    deliveries = await broker.read(view, "a", 200, 10)
+    assert len(deliveries) == 150 and await broker.inbox_claim(view, deliveries, 60_000) == [0] * 150
+    balances, wrong = f"{namespace}:{{x}}:balances", f"{namespace}:{{x}}:not-a-hash"
+    await broker.redis.set(wrong, "a string")
+    outcomes: dict[int, object] = {}
+
+    async def commit(i: int, d: object) -> None:
+        if i % 5 == 0:  # a guard that does not hold: nothing written, the entry stays pending
+            commands = [("__EXPECT__", balances, "guard", "x"), ("HINCRBY", balances, "n", 1)]
+        elif i % 5 == 1:  # fails half-way: dead-lettered by the same call
+            commands = [("HINCRBY", balances, "partial", 1), ("HSET", wrong, "f", "v")]
+        else:
+            commands = [("HINCRBY", balances, "n", 1)]
+        try:
+            outcomes[i] = await broker.commit_effects(d, commands, [balances, wrong])  # type: ignore[arg-type]
+        except Exception as exc:
+            outcomes[i] = type(exc).__name__
+
+    with anyio.fail_after(30):  # (a batcher that lost track of its writes would hang here)
+        async with anyio.create_task_group() as tg:
+            for i, d in enumerate(deliveries):
+                tg.start_soon(commit, i, d)
+    assert {i: o for i, o in outcomes.items() if i % 5 == 0} == {i: "EffectsConflict" for i in range(0, 150, 5)}
+    assert {i: o for i, o in outcomes.items() if i % 5 == 1} == {i: "EffectsFailed" for i in range(1, 150, 5)}
+    assert all(outcomes[i] is True for i in range(150) if i % 5 > 1)
+    assert await broker.redis.hgetall(balances) == {b"n": b"90", b"partial": b"30"}
+    assert len(await broker.dead_letter_entries(view)) == 30
+    assert (await broker.stream_groups(view.stream))[0]["pending"] == 30  # the conflicts, to run again
+    assert await broker.commit_effects(deliveries[2], [("HINCRBY", balances, "n", 1)], [balances]) is False
+    assert await broker.redis.hget(balances, "n") == b"90"  # a duplicate applies nothing
+    if isinstance(broker, RedisBroker) and not broker.cluster:
+        batcher = broker._batchers["commit_effects"]
+        assert batcher.calls == 151 and batcher.batches < 100  # calls made together shared writes
+        assert batcher._busy == 0 and not batcher._queue
+
+
+async def test_cancelled_commits_leave_the_shared_writes_working(broker: Broker, namespace: str) -> None:
+    """Callers cancelled while their commit waits or is in flight never block the commits after them."""
+    spec = await broker.declare(DestinationSpec("wallet.cancel", "command"))
+    [view] = await broker.subscribe(spec, "wallet")
+    await broker.publish([command("wallet.cancel", n) for n in range(120)])
+    deliveries = await broker.read(view, "a", 200, 10)
+    await broker.inbox_claim(view, deliveries, 60_000)
+    counts = f"{namespace}:{{x}}:counts"
+    for round_ in range(5):  # cancelled at different points of the writes in flight
+        with anyio.move_on_after(0.001 * round_):
+            async with anyio.create_task_group() as tg:
+                for d in deliveries[round_ * 20 : round_ * 20 + 20]:
+                    tg.start_soon(broker.commit_effects, d, [("HINCRBY", counts, d.message_id, 1)], [counts])
+    with anyio.fail_after(10):  # the rest go through, each applied once
+        async with anyio.create_task_group() as tg:
+            for d in deliveries[100:]:
+                tg.start_soon(broker.commit_effects, d, [("HINCRBY", counts, d.message_id, 1)], [counts])
+    values = await broker.redis.hgetall(counts)
+    assert all(v == b"1" for v in values.values())  # sent or not, never twice
+    assert {d.message_id.encode() for d in deliveries[100:]} <= set(values)
+    if isinstance(broker, RedisBroker) and not broker.cluster:
+        batcher = broker._batchers["commit_effects"]
+        assert batcher._busy == 0 and not batcher._queue
+
+
+async def test_a_caller_cancelled_as_it_is_handed_the_next_write_passes_it_on(broker: Broker, namespace: str) -> None:
+    """The race the batcher must survive: a waiting caller is handed the next write (a slot) and is
+    cancelled before it runs; the callers queued behind it still get through."""
+    if not isinstance(broker, RedisBroker) or broker.cluster:
+        pytest.skip("the batcher is the Redis broker's")
+    spec = await broker.declare(DestinationSpec("wallet.race", "command"))
+    [view] = await broker.subscribe(spec, "wallet")
+    await broker.publish([command("wallet.race", n) for n in range(3)])
+    a, b, c = await broker.read(view, "a", 10, 10)
+    await broker.inbox_claim(view, [a, b, c], 60_000)
+    counts = f"{namespace}:{{x}}:counts"
+    batcher = broker._batcher("commit_effects")
+    assert batcher is not None
+    batcher.width = 1  # one write in flight: b and c wait behind a
+    tasks: dict[str, asyncio.Task[Any]] = {}
+
+    async def first() -> None:
+        await broker.commit_effects(a, [("HINCRBY", counts, "a", 1)], [counts])
+        # b was handed the slot as a's write ended and has not run yet: cancel it now, as an
+        # asyncio timeout (a handler's) would (anyio's scopes wait until it has run)
+        tasks["b"].cancel()
+
+    with anyio.fail_after(10):
+        tasks["a"] = asyncio.create_task(first())
+        await asyncio.sleep(0)  # a's write is in flight
+        for name, d in (("b", b), ("c", c)):
+            tasks[name] = asyncio.create_task(broker.commit_effects(d, [("HINCRBY", counts, name, 1)], [counts]))
+        await asyncio.wait(tasks.values())
+    assert tasks["b"].cancelled() and tasks["c"].result() is True
+    assert await broker.redis.hgetall(counts) == {b"a": b"1", b"c": b"1"}  # b's was never sent
+    assert batcher._busy == 0 and not batcher._queue
 
 
 async def test_departed_consumers_with_nothing_pending_are_pruned(broker: Broker) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
+from broker._redis.batching import ScriptBatcher
 from broker.codec import max_body_bytes as max_body_bytes_setting
 from broker.keys import KeySpace, PartitionKeys
 from broker.scripts import Script, load_scripts
@@ -64,6 +66,7 @@ class RedisCore:
         self._specs: dict[str, DestinationSpec] = {}
         self._claim_cursor: dict[tuple[str, str], str] = {}  # (stream, group) -> XAUTOCLAIM cursor
         self._pkeys: dict[tuple[str, int], PartitionKeys] = {}
+        self._batchers: dict[str, ScriptBatcher] = {}  # script name -> its calls from many tasks, batched
         for command in _RAW:
             client.set_response_callback(command, _raw)
 
@@ -74,7 +77,18 @@ class RedisCore:
 
     async def close(self) -> None:
         """Close the connection pool."""
+        batchers, self._batchers = list(self._batchers.values()), {}
+        for batcher in batchers:
+            await batcher.aclose()
         await self.redis.aclose()
+
+    def _batcher(self, script: str) -> ScriptBatcher | None:
+        """The batcher of ``script``'s calls (None on a Cluster: calls go through the client)."""
+        batcher = self._batchers.get(script)
+        if batcher is None and not self.cluster:
+            channel = functools.partial(Channel, self.redis.connection_pool, command_timeout=self.command_timeout)
+            batcher = self._batchers[script] = ScriptBatcher(self.scripts[script], channel)
+        return batcher
 
     def _partition_keys(self, name: str, partition: int) -> PartitionKeys:
         keys = self._pkeys.get((name, partition))

@@ -168,7 +168,11 @@ class Settlement(Topology):
             *flat,
             _fence(token),
         ]
-        reply = await self.scripts["commit_effects"](self.redis, script_keys, args)
+        batcher = self._batcher("commit_effects")
+        if batcher is None:  # a Cluster: through the client
+            reply = await self.scripts["commit_effects"](self.redis, script_keys, args)
+        else:  # with other tasks' commits in one write (each still its own atomic script run)
+            reply = await batcher.call(script_keys, args)
         if reply == _FENCED:
             raise _lost(source)
         if reply == _CONFLICT:

@@ -1,0 +1,151 @@
+"""Script calls from many tasks sent together: one write and one read for a batch of them.
+
+A handler that commits its Redis effects (``ctx.redis_transaction()``, a saga step) makes one
+script call per message. Sent one by one through the client, each call pays redis-py's command
+machinery and a round trip of its own; with 64 lanes that is most of a worker's CPU. The
+:class:`ScriptBatcher` queues the calls and sends whatever is queued as one batch on a
+:class:`~broker.wire.Channel`, with at most ``width`` batches in flight at a time, so a lone call
+goes out at once and calls made while others are in flight share the next write.
+
+Each call stays its own script run: atomic on the server as before, its reply (or error reply)
+its own. A batch that fails as a whole (a lost connection, no reply in time) fails every call in
+it, as the same calls sent one by one would have failed; whether a call that was sent ran is then
+unknown, exactly as for a single call. No task runs in the background: the caller whose call
+finds a free slot sends the batch (shielded from cancellation, since other callers wait on it),
+and a caller whose call waits is handed the next batch when a slot frees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from redis.exceptions import NoScriptError
+
+if TYPE_CHECKING:
+    from broker.scripts import Script
+    from broker.wire import Channel
+
+__all__ = ["MAX_BATCH", "ScriptBatcher"]
+
+_LEAD: Any = object()  # a waiting caller's signal: a slot is free, send the queued calls yourself
+MAX_BATCH = 256  # calls per write at most
+
+
+def _copy(exc: BaseException) -> BaseException:
+    """A batch's failure as one caller's own exception (the same object raised in many tasks
+    would collect all their tracebacks)."""
+    try:
+        copy = type(exc)(*exc.args)
+    except Exception:
+        return exc
+    copy.__cause__ = exc
+    return copy
+
+
+class _Call:
+    __slots__ = ("command", "future")
+
+    def __init__(self, command: list[Any], future: asyncio.Future[Any]) -> None:
+        self.command = command
+        self.future = future
+
+
+class ScriptBatcher:
+    """Sends one script's calls from many tasks in batches (see the module docstring)."""
+
+    def __init__(self, script: Script, new_channel: Callable[[], Channel], *, width: int = 4) -> None:
+        self.script = script
+        self._new_channel = new_channel  # () -> Channel
+        self.width = width
+        self._queue: deque[_Call] = deque()
+        self._idle: list[Channel] = []
+        self._busy = 0  # batches in flight (or about to be)
+        self.batches = 0  # batches sent (tests, observability)
+        self.calls = 0  # calls sent
+
+    async def call(self, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """Run the script once with ``keys`` and ``args``; its reply (an error reply raises)."""
+        loop = asyncio.get_running_loop()
+        item = _Call(["EVALSHA", self.script.sha, len(keys), *keys, *args], loop.create_future())
+        if self._busy < self.width:  # a free slot: send it now, with whatever is queued
+            self._busy += 1
+            with anyio.CancelScope(shield=True):
+                await self._send(item)
+        else:
+            self._queue.append(item)
+            try:
+                signal = await item.future
+            except BaseException:
+                if item.future.cancelled():  # still queued: leave (nothing was sent)
+                    with contextlib.suppress(ValueError):
+                        self._queue.remove(item)
+                elif item.future.result() is _LEAD:  # handed a slot as we were cancelled: send the others'
+                    with anyio.CancelScope(shield=True):
+                        await self._send(None)
+                raise  # (or our call had been sent: its outcome is unknown to us, as for any cancelled call)
+            if signal is _LEAD:  # handed a slot (and taken off the queue): send ours and the queued
+                item.future = loop.create_future()
+                with anyio.CancelScope(shield=True):
+                    await self._send(item)
+        reply = item.future.result()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    async def _send(self, own: _Call | None) -> None:
+        """Send ``own`` and up to :data:`MAX_BATCH` queued calls on a free channel; settle them all.
+        The caller holds a slot; this frees it and hands the next one on."""
+        queue = self._queue
+        batch = [] if own is None else [own]
+        while queue and len(batch) < MAX_BATCH:
+            batch.append(queue.popleft())
+        channel = self._idle.pop() if self._idle else self._new_channel()
+        try:
+            if batch:
+                replies = await self._run(channel, [c.command for c in batch])
+                self.batches += 1
+                self.calls += len(batch)
+                for c, reply in zip(batch, replies, strict=True):
+                    if not c.future.done():
+                        c.future.set_result(reply)
+        except BaseException as exc:
+            for c in batch:
+                if not c.future.done():
+                    c.future.set_result(exc if c is own else _copy(exc))
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._idle.append(channel)
+            self._busy -= 1
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """A slot is free: the first queued caller takes it and sends the next batch."""
+        queue = self._queue
+        while queue and self._busy < self.width:
+            first = queue.popleft()
+            if first.future.done():  # cancelled (it would leave the queue itself)
+                continue
+            self._busy += 1
+            first.future.set_result(_LEAD)
+            return
+
+    async def _run(self, channel: Channel, commands: list[list[Any]]) -> list[Any]:
+        replies = await channel.execute_many(commands)
+        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        if missing:  # the server lost its scripts (a restart without persistence, SCRIPT FLUSH)
+            await channel.execute("SCRIPT", "LOAD", self.script.source)
+            for i, reply in zip(missing, await channel.execute_many([commands[i] for i in missing]), strict=True):
+                replies[i] = reply
+        return replies
+
+    async def aclose(self) -> None:
+        """Give the channels' connections back."""
+        idle, self._idle = self._idle, []
+        for channel in idle:
+            await channel.aclose()
