@@ -526,6 +526,30 @@ async def test_a_caller_cancelled_as_it_is_handed_the_next_write_passes_it_on(br
     assert batcher._busy == 0 and not batcher._queue
 
 
+async def test_two_copies_committed_in_one_script_call_apply_once(broker: Broker, namespace: str) -> None:
+    """Two entries of one message (a copy published twice) whose commits share a script call: the
+    first applies, the second is the duplicate (the inbox record of the first is not written yet)."""
+    if not isinstance(broker, RedisBroker) or broker.cluster:
+        pytest.skip("the batcher is the Redis broker's")
+    spec = await broker.declare(DestinationSpec("wallet.copies", "command"))
+    [view] = await broker.subscribe(spec, "wallet")
+    copy = command("wallet.copies", 1)
+    await broker.publish([command("wallet.copies", 0), copy, copy])
+    first, one, again = await broker.read(view, "a", 10, 10)
+    assert one.message_id == again.message_id != first.message_id
+    counts = f"{namespace}:{{x}}:counts"
+    batcher = broker._batcher("commit_effects")
+    assert batcher is not None
+    batcher.width = 1  # the copies queue behind the first write and go out together
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for d in (first, one, again):
+                tg.start_soon(broker.commit_effects, d, [("HINCRBY", counts, d.message_id, 1)], [counts])
+    assert batcher.calls == 3 and batcher.batches == 2
+    assert await broker.redis.hget(counts, one.message_id) == b"1"  # applied once
+    assert (await broker.stream_groups(view.stream))[0]["pending"] == 0  # both entries acked
+
+
 async def test_departed_consumers_with_nothing_pending_are_pruned(broker: Broker) -> None:
     spec = DestinationSpec("prune.q", "command")
     [view] = await broker.subscribe(spec, "g")

@@ -1,15 +1,17 @@
-"""Script calls from many tasks sent together: one write and one read for a batch of them.
+"""Effects commits from many tasks sent together: one write, and one script call per source.
 
 A handler that commits its Redis effects (``ctx.redis_transaction()``, a saga step) makes one
-script call per message. Sent one by one through the client, each call pays redis-py's command
-machinery and a round trip of its own; with 64 lanes that is most of a worker's CPU. The
-:class:`ScriptBatcher` queues the calls and sends whatever is queued as one batch on a
-:class:`~broker.wire.Channel`, with at most ``width`` batches in flight at a time, so a lone call
-goes out at once and calls made while others are in flight share the next write.
+commit per message. Sent one by one through the client, each pays redis-py's command machinery, a
+round trip and a script run of its own (with the inbox's bookkeeping); with 64 lanes that is most
+of a worker's CPU and of the server's. The :class:`CommitBatcher` queues the commits and sends
+whatever is queued as one write on a :class:`~broker.wire.Channel`, with at most ``width`` writes
+in flight at a time, so a lone commit goes out at once and commits made while others are in flight
+share the next write. Commits of one source (stream, group, fencing token) in a write are one call
+of ``commit_effects.lua``, which commits each message as if it were alone and returns each one's
+outcome (the inbox's lookups and records are made once for all of them).
 
-Each call stays its own script run: atomic on the server as before, its reply (or error reply)
-its own. A batch that fails as a whole (a lost connection, no reply in time) fails every call in
-it, as the same calls sent one by one would have failed; whether a call that was sent ran is then
+A write that fails as a whole (a lost connection, no reply in time) fails every commit in it, as
+the same commits sent one by one would have failed; whether a commit that was sent ran is then
 unknown, exactly as for a single call. No task runs in the background: the caller whose call
 finds a free slot sends the batch (shielded from cancellation, since other callers wait on it),
 and a caller whose call waits is handed the next batch when a slot frees.
@@ -26,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from redis.exceptions import NoScriptError
 
+from broker.envelope import now_ms
+
 if TYPE_CHECKING:
     from broker.scripts import Script
     from broker.wire import Channel
 
-__all__ = ["MAX_BATCH", "ScriptBatcher"]
+__all__ = ["MAX_BATCH", "CommitBatcher"]
 
 _LEAD: Any = object()  # a waiting caller's signal: a slot is free, send the queued calls yourself
 MAX_BATCH = 256  # calls per write at most
@@ -48,15 +52,17 @@ def _copy(exc: BaseException) -> BaseException:
 
 
 class _Call:
-    __slots__ = ("command", "future")
+    __slots__ = ("future", "keys", "part", "source")
 
-    def __init__(self, command: list[Any], future: asyncio.Future[Any]) -> None:
-        self.command = command
+    def __init__(self, source: tuple[Any, ...], keys: Sequence[Any], part: list[Any], future: asyncio.Future[Any]):
+        self.source = source
+        self.keys = keys
+        self.part = part
         self.future = future
 
 
-class ScriptBatcher:
-    """Sends one script's calls from many tasks in batches (see the module docstring)."""
+class CommitBatcher:
+    """Sends ``commit_effects.lua`` commits from many tasks together (see the module docstring)."""
 
     def __init__(self, script: Script, new_channel: Callable[[], Channel], *, width: int = 4) -> None:
         self.script = script
@@ -68,10 +74,12 @@ class ScriptBatcher:
         self.batches = 0  # batches sent (tests, observability)
         self.calls = 0  # calls sent
 
-    async def call(self, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """Run the script once with ``keys`` and ``args``; its reply (an error reply raises)."""
+    async def call(self, source: tuple[Any, ...], keys: Sequence[Any], part: list[Any]) -> Any:
+        """Commit one message: ``source`` = (stream, inbox, attempts, DLQ, lease key, group, delete
+        flag, fencing token), ``keys`` the keys its commands touch, ``part`` its section of ARGV
+        (see ``commit_effects.lua``). Its own result: -1 (fenced), or what the script lists for it."""
         loop = asyncio.get_running_loop()
-        item = _Call(["EVALSHA", self.script.sha, len(keys), *keys, *args], loop.create_future())
+        item = _Call(source, keys, part, loop.create_future())
         if self._busy < self.width:  # a free slot: send it now, with whatever is queued
             self._busy += 1
             with anyio.CancelScope(shield=True):
@@ -107,12 +115,23 @@ class ScriptBatcher:
         channel = self._idle.pop() if self._idle else self._new_channel()
         try:
             if batch:
-                replies = await self._run(channel, [c.command for c in batch])
+                by_source: dict[tuple[Any, ...], list[_Call]] = {}
+                for c in batch:
+                    by_source.setdefault(c.source, []).append(c)
+                groups = list(by_source.values())
+                replies = await self._run(channel, [self._command(calls) for calls in groups])
                 self.batches += 1
                 self.calls += len(batch)
-                for c, reply in zip(batch, replies, strict=True):
-                    if not c.future.done():
-                        c.future.set_result(reply)
+                for calls, reply in zip(groups, replies, strict=True):
+                    for i, c in enumerate(calls):
+                        if c.future.done():
+                            continue
+                        if isinstance(reply, list):
+                            c.future.set_result(reply[i])
+                        elif isinstance(reply, BaseException):
+                            c.future.set_result(reply if i == 0 else _copy(reply))
+                        else:  # one result for all (-1: fenced)
+                            c.future.set_result(reply)
         except BaseException as exc:
             for c in batch:
                 if not c.future.done():
@@ -134,6 +153,18 @@ class ScriptBatcher:
             self._busy += 1
             first.future.set_result(_LEAD)
             return
+
+    def _command(self, calls: list[_Call]) -> list[Any]:
+        """One script call committing ``calls`` (of one source)."""
+        source = calls[0].source
+        keys: list[Any] = list(source[:5])
+        extra: dict[Any, None] = {}
+        args: list[Any] = [*source[5:7], now_ms(), source[7], len(calls)]
+        for c in calls:
+            extra.update(dict.fromkeys(c.keys))
+            args += c.part
+        keys += extra
+        return ["EVALSHA", self.script.sha, len(keys), *keys, *args]
 
     async def _run(self, channel: Channel, commands: list[list[Any]]) -> list[Any]:
         replies = await channel.execute_many(commands)

@@ -7,7 +7,7 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
-from broker._redis.batching import ScriptBatcher
+from broker._redis.batching import CommitBatcher
 from broker.codec import max_body_bytes as max_body_bytes_setting
 from broker.keys import KeySpace, PartitionKeys
 from broker.scripts import Script, load_scripts
@@ -66,7 +66,7 @@ class RedisCore:
         self._specs: dict[str, DestinationSpec] = {}
         self._claim_cursor: dict[tuple[str, str], str] = {}  # (stream, group) -> XAUTOCLAIM cursor
         self._pkeys: dict[tuple[str, int], PartitionKeys] = {}
-        self._batchers: dict[str, ScriptBatcher] = {}  # script name -> its calls from many tasks, batched
+        self._batchers: dict[str, CommitBatcher] = {}  # "commit_effects" -> its commits from many tasks
         for command in _RAW:
             client.set_response_callback(command, _raw)
 
@@ -82,12 +82,12 @@ class RedisCore:
             await batcher.aclose()
         await self.redis.aclose()
 
-    def _batcher(self, script: str) -> ScriptBatcher | None:
-        """The batcher of ``script``'s calls (None on a Cluster: calls go through the client)."""
+    def _batcher(self, script: str) -> CommitBatcher | None:
+        """The batcher of ``script``'s calls, ``commit_effects`` (None on a Cluster: through the client)."""
         batcher = self._batchers.get(script)
         if batcher is None and not self.cluster:
             channel = functools.partial(Channel, self.redis.connection_pool, command_timeout=self.command_timeout)
-            batcher = self._batchers[script] = ScriptBatcher(self.scripts[script], channel)
+            batcher = self._batchers[script] = CommitBatcher(self.scripts[script], channel)
         return batcher
 
     def _partition_keys(self, name: str, partition: int) -> PartitionKeys:

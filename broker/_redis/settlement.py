@@ -16,6 +16,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from broker._redis.core import ScriptCall, text
 from broker._redis.publishing import partition_of
 from broker._redis.reading import SCRIPT_CHUNK
@@ -139,40 +141,23 @@ class Settlement(Topology):
             stream = self._partition_keys(spec.name, partition_of(spec, env, idem)).stream
             out_keys.append(stream)
             calls.append(["XADD", stream, "*", *encode_fields(env)])
-        flat: list[Any] = []
+        part: list[Any] = [delivery.entry_id, delivery.message_id, len(commands), len(outgoing), 0]
         for k, v in reason.items():
             if k not in _SCRIPT_REASON:
-                flat += (k, v)
-        pairs = len(flat) // 2
+                part += (k, v)
+        part[4] = (len(part) - 5) // 2
         for c in calls:
-            flat += (len(c), *c)
-        script_keys = [
-            delivery.stream,
-            source.keys.inbox,
-            source.keys.attempts,
-            source.keys.dlq,
-            source.keys.lease,
-            *keys,
-            *out_keys,
-        ]
+            part += (len(c), *c)
+        base_keys = (delivery.stream, source.keys.inbox, source.keys.attempts, source.keys.dlq, source.keys.lease)
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
-        args = [
-            source.group,
-            delete,
-            now_ms(),
-            delivery.entry_id,
-            delivery.message_id,
-            len(commands),
-            len(outgoing),
-            pairs,
-            *flat,
-            _fence(token),
-        ]
+        fence = _fence(token)
         batcher = self._batcher("commit_effects")
-        if batcher is None:  # a Cluster: through the client
-            reply = await self.scripts["commit_effects"](self.redis, script_keys, args)
-        else:  # with other tasks' commits in one write (each still its own atomic script run)
-            reply = await batcher.call(script_keys, args)
+        if batcher is None:  # a Cluster: through the client, alone
+            args = [source.group, delete, now_ms(), fence, 1, *part]
+            reply = await self.scripts["commit_effects"](self.redis, [*base_keys, *keys, *out_keys], args)
+            reply = reply if reply == _FENCED else reply[0]
+        else:  # with other tasks' commits of the same source in one script call, one write
+            reply = await batcher.call((*base_keys, source.group, delete, fence), [*keys, *out_keys], part)
         if reply == _FENCED:
             raise _lost(source)
         if reply == _CONFLICT:
@@ -181,6 +166,8 @@ class Settlement(Topology):
                 "written, sent or acknowledged (run the handler again)"
             )
         if isinstance(reply, list):
+            if len(reply) == 2:  # ['E', error]: nothing done, the entry stays pending
+                raise ResponseError(text(reply[1]))
             dead, error, applied = reply
             raise EffectsFailed(text(dead), text(error), int(applied))
         return bool(reply)

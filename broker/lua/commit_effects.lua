@@ -1,80 +1,103 @@
--- commit_effects.lua: apply a handler's Redis writes, its outgoing messages, the inbox mark and the
--- ack in one atomic step, unless the message was already processed (then only ack it).
+-- commit_effects.lua: for each of k messages read from one stream by one group, apply the handler's
+-- Redis writes, its outgoing messages, the inbox mark and the ack in one step, unless the message was
+-- already processed (then only ack it). The whole call is atomic; each message's outcome is its own,
+-- exactly as if it had been committed alone (the runtime sends the commits of many handlers together).
 --
--- KEYS[1]  stream the entry was read from
+-- KEYS[1]  stream the entries were read from
 -- KEYS[2]  the group's inbox zset (leases, and final scores >= 0 for ids that are not UUIDv7/v8;
 --          see inbox_claim.lua); UUIDv7/v8 ids are checked and recorded in the inbox's buckets
 --          (inbox_store.lua, included below), their lease removed from the zset
 -- KEYS[3]  the group's attempts hash
--- KEYS[4]  the group's DLQ stream (written only when the writes fail half-way)
+-- KEYS[4]  the group's DLQ stream (written only when a message's writes fail half-way)
 -- KEYS[5]  the partition's lease hash for the group (lease.lua): the fencing check
 -- KEYS[6 ..]  the keys the writes and outgoing messages touch (declared for Cluster routing)
 -- ARGV[1]  group
--- ARGV[2]  "1" to XDEL the entry after XACK
+-- ARGV[2]  "1" to XDEL each entry after XACK
 -- ARGV[3]  now, Unix ms
--- ARGV[4]  entry id
--- ARGV[5]  message id
--- ARGV[6]  n: number of the handler's Redis commands
--- ARGV[7]  m: number of outgoing messages (XADD commands run after the handler's commands)
--- ARGV[8]  r: number of field/value pairs of the dead-letter reason that follow
--- ARGV[9 .. 8 + 2r]  the reason pairs (dlq-handler, dlq-attempts, ...)
--- ARGV[9 + 2r ..]  n + m commands; each is: argument count c, then c arguments
--- ARGV[#ARGV]  the caller's fencing token, or '' when the partition is not owned (no check)
+-- ARGV[4]  the caller's fencing token, or '' when the partition is not owned (no check)
+-- ARGV[5]  k: number of messages; then for each message:
+--   entry id, message id, n (the handler's Redis commands), m (outgoing messages: XADD commands run
+--   after the handler's), r (field/value pairs of the dead-letter reason), the 2r reason values,
+--   then n + m commands, each: argument count c, then c arguments
 -- A handler command {'__EXPECT__', key, field, value} (RedisEffects.expect) is a guard, not a write:
--- before any write, HGET key field must equal value ('' = absent), else nothing is done and -2 is
--- returned (the entry stays pending; the caller runs the handler again: an optimistic check).
+-- before any write of its message, HGET key field must equal value ('' = absent), else nothing is
+-- done for that message and its result is -2 (the entry stays pending; the caller runs the handler
+-- again: an optimistic check).
 --
--- Returns 1 when the effects were applied; 0 when the message was a duplicate (only acked) or
--- the entry is no longer pending for the group (settled already: nothing is done, so a commit
--- repeated after a failure below applies nothing again); -1 (nothing done) when the fencing token
--- is not current (another instance owns the partition now); -2 (nothing done) when a guard failed.
+-- Returns -1 (nothing done for any message) when the fencing token is not current (another instance
+-- owns the partition now); else a list of k results, one per message: 1 when the effects were
+-- applied; 0 when the message was a duplicate (only acked) or its entry is no longer pending for the
+-- group (settled already: nothing is done, so a commit repeated after a failure below applies nothing
+-- again); -2 (nothing done) when a guard failed; {'E', error} (nothing done) when the message cannot
+-- be committed (a command with too many arguments, or the server refused its first write and its
+-- dead letter alike: OOM, READONLY, NOREPLICAS, errors a retry could outlive; the entry stays pending);
+-- {DLQ entry id, error, commands applied} when a command failed (below).
 --
--- Redis has no rollback, so the commands run with pcall and stop at the first error. The commands
--- before it stay applied (a retry would apply them twice), so this same call dead-letters the
--- message (its fields, or dlq-empty = 1 if the entry is gone, plus the reason pairs, dlq-reason,
+-- Redis has no rollback, so a message's commands run with pcall and stop at the first error. The
+-- commands before it stay applied (a retry would apply them twice), so this same call dead-letters
+-- the message (its fields, or dlq-empty = 1 if the entry is gone, plus the reason pairs, dlq-reason,
 -- dlq-error-type and dlq-error-message), acks it, releases its inbox lease (a redrive runs the
--- handler again) and drops its attempts counter; the outgoing messages are not sent (unless one of
--- them failed: those before it were). Returns {DLQ entry id, error, commands applied}.
--- A failure at the first command is dead-lettered too: errors a retry could outlive (OOM,
--- READONLY, NOREPLICAS) refuse the first write and the DLQ write alike, so the script raises
--- having written nothing, and the entry stays pending.
+-- handler again) and drops its attempts counter; its outgoing messages are not sent (unless one of
+-- them failed: those before it were). The other messages of the call go on.
 --#include inbox_store
-local fence = ARGV[#ARGV]
-if fence ~= '' and redis.call('HGET', KEYS[5], 'token') ~= fence then return -1 end  -- fenced: no effect
-local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[4], 1)
-if #pending == 0 then return 0 end
+if ARGV[4] ~= '' and redis.call('HGET', KEYS[5], 'token') ~= ARGV[4] then return -1 end  -- fenced: no effect
 -- unpack() below fails past about 8000 values (Lua's C stack), which would stop the script after
 -- the commands before it were applied and leave the entry pending: a retry would apply them again.
--- So every command's size is checked before any runs; a failed attempt then has changed nothing.
+-- So every command's size is checked before any of its message's commands run.
 local MAX_ARGS = 7900
+local k = tonumber(ARGV[5])
+local msgs = {}
+local bins = {}
 do
-  local n, m, r = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-  local pos = 9 + 2 * r
-  for i = 1, n + m do
-    local c = tonumber(ARGV[pos])
-    if c > MAX_ARGS then
-      local what = i <= n and string.format('Redis command %d of %d (%s)', i, n, string.upper(ARGV[pos + 1]))
-        or string.format('outgoing message %d of %d', i - n, m)
-      return redis.error_reply(string.format('ERR effects not applied: %s has %d arguments, more than the %d '
-        .. 'a script can pass; split it into smaller commands', what, c, MAX_ARGS))
+  local pos = 6
+  for i = 1, k do
+    local e = {entry = ARGV[pos], id = ARGV[pos + 1], n = tonumber(ARGV[pos + 2]), m = tonumber(ARGV[pos + 3]),
+      r = tonumber(ARGV[pos + 4])}
+    e.reason = pos + 5  -- first reason value
+    e.first = e.reason + 2 * e.r  -- first command's argument count
+    pos = e.first
+    for j = 1, e.n + e.m do
+      local c = tonumber(ARGV[pos])
+      if c > MAX_ARGS and not e.err then
+        local what = j <= e.n and string.format('Redis command %d of %d (%s)', j, e.n, string.upper(ARGV[pos + 1]))
+          or string.format('outgoing message %d of %d', j - e.n, e.m)
+        e.err = string.format('ERR effects not applied: %s has %d arguments, more than the %d '
+          .. 'a script can pass; split it into smaller commands', what, c, MAX_ARGS)
+      end
+      pos = pos + c + 1
     end
-    pos = pos + c + 1
+    msgs[i] = e
+    bins[i] = inbox_compact(e.id)
   end
 end
-local s = redis.call('ZSCORE', KEYS[2], ARGV[5])
-local bin = inbox_compact(ARGV[5])
-local done = (s and tonumber(s) >= 0) or (bin ~= '' and inbox_seen(KEYS[2], bin))
-if not done then
-  local n, m, r = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-  local pos = 9 + 2 * r
-  for i = 1, n do  -- guards first: a failed one means nothing at all is written
+local seen = inbox_seen_many(KEYS[2], bins, 1, k)
+local settled_ids = {}  -- message ids applied or acked as duplicates in this call
+local results = {}
+local function settle(e)
+  redis.call('HDEL', KEYS[3], e.id)
+  redis.call('XACK', KEYS[1], ARGV[1], e.entry)
+  if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], e.entry) end
+end
+local function commit(e, bin, was_seen)
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], e.entry, e.entry, 1)
+  if #pending == 0 then return 0 end
+  if e.err then return {'E', e.err} end
+  local s = redis.call('ZSCORE', KEYS[2], e.id)
+  local done = (s and tonumber(s) >= 0) or was_seen or settled_ids[e.id]
+  if done then
+    settle(e)
+    return 0
+  end
+  local n, m = e.n, e.m
+  local pos = e.first
+  for _ = 1, n do  -- guards first: a failed one means nothing at all is written
     local c = tonumber(ARGV[pos])
     if ARGV[pos + 1] == '__EXPECT__' and (redis.call('HGET', ARGV[pos + 2], ARGV[pos + 3]) or '') ~= ARGV[pos + 4] then
       return -2
     end
     pos = pos + c + 1
   end
-  pos = 9 + 2 * r
+  pos = e.first
   for i = 1, n + m do
     local c = tonumber(ARGV[pos])
     local cmd = {}
@@ -103,38 +126,44 @@ if not done then
           ' and are not rolled back (Redis has no rollback)'
       end
       local fields = {}
-      local entry = redis.call('XRANGE', KEYS[1], ARGV[4], ARGV[4])
+      local entry = redis.call('XRANGE', KEYS[1], e.entry, e.entry)
       if #entry > 0 then
         for _, v in ipairs(entry[1][2]) do fields[#fields + 1] = v end
       else
         fields = {'dlq-empty', '1'}
       end
-      for k = 9, 8 + 2 * r do fields[#fields + 1] = ARGV[k] end
+      for x = e.reason, e.reason + 2 * e.r - 1 do fields[#fields + 1] = ARGV[x] end
       fields[#fields + 1] = 'dlq-reason'
       fields[#fields + 1] = reason
       fields[#fields + 1] = 'dlq-error-type'
       fields[#fields + 1] = 'redis.exceptions.ResponseError'
       fields[#fields + 1] = 'dlq-error-message'
       fields[#fields + 1] = err
-      local dead = redis.call('XADD', KEYS[4], '*', unpack(fields))
-      redis.call('XACK', KEYS[1], ARGV[1], ARGV[4])
-      if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], ARGV[4]) end
-      if s and tonumber(s) < 0 then redis.call('ZREM', KEYS[2], ARGV[5]) end
-      redis.call('HDEL', KEYS[3], ARGV[5])
+      local dead = redis.pcall('XADD', KEYS[4], '*', unpack(fields))
+      if type(dead) == 'table' and dead.err then
+        if i == 1 then return {'E', err} end  -- the server refuses writes: nothing written, stays pending
+        return redis.error_reply(dead.err)  -- (cannot happen: a write went through just before)
+      end
+      redis.call('XACK', KEYS[1], ARGV[1], e.entry)
+      if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], e.entry) end
+      if s and tonumber(s) < 0 then redis.call('ZREM', KEYS[2], e.id) end
+      redis.call('HDEL', KEYS[3], e.id)
       return {dead, err, i - 1}
     end
     pos = pos + c + 1
   end
   if bin ~= '' then
     inbox_record(KEYS[2], bin)
-    inbox_flush(KEYS[2])
-    redis.call('ZREM', KEYS[2], ARGV[5])
+    redis.call('ZREM', KEYS[2], e.id)
   else
-    redis.call('ZADD', KEYS[2], ARGV[3], ARGV[5])
+    redis.call('ZADD', KEYS[2], ARGV[3], e.id)
   end
+  settled_ids[e.id] = true
+  settle(e)
+  return 1
 end
-redis.call('HDEL', KEYS[3], ARGV[5])
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[4])
-if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], ARGV[4]) end
-if done then return 0 end
-return 1
+for i = 1, k do
+  results[i] = commit(msgs[i], bins[i], seen[i])
+end
+inbox_flush(KEYS[2])
+return results
