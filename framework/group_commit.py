@@ -224,7 +224,7 @@ class GroupCommitter:
             if self._must_end(link):
                 await self._commit(link)
         elif link.open and not self._waiters:  # nothing in it (its only member was a duplicate): end it
-            await self._end(link, "ROLLBACK")
+            await self._rollback(link)
         if link not in self._links:  # closed after a broken connection
             self._opened -= 1
             if self._waiters and self._opened < self.connections:
@@ -296,13 +296,13 @@ class GroupCommitter:
         )
         group.error.__cause__ = exc
 
-    async def _end(self, link: _Link, command: str) -> None:
-        """End the open transaction with ``command`` (``ROLLBACK``) and tell its members."""
+    async def _rollback(self, link: _Link) -> None:
+        """Roll the open transaction back and tell its members."""
         group = link.group
         assert group is not None
         link.group, link.members, link.savepoint = None, 0, False
         try:
-            await link.cursor.execute(command)
+            await link.cursor.execute("ROLLBACK")
         except Exception as exc:  # callers shield this: no cancellation here
             self._fail_group(group, exc, 0)
             await self._discard(link)
@@ -430,7 +430,7 @@ class GroupCommitter:
         if self._broken(link):
             await self._lose_group(link)
         elif link.members == 0:
-            await self._end(link, "ROLLBACK")
+            await self._rollback(link)
         elif link.savepoint:
             await self._undo(link)
         else:
@@ -441,7 +441,7 @@ class GroupCommitter:
                 f"the shared transaction was rolled back because another handler's block in it failed "
                 f"({type(exc).__name__}: {exc})"
             )
-            await self._end(link, "ROLLBACK")
+            await self._rollback(link)
 
     async def _undo(self, link: _Link) -> None:
         """Roll back to the member's savepoint (the transaction goes on)."""
@@ -476,7 +476,7 @@ class GroupCommitter:
                     if link.members:
                         await self._commit(link, reopen=False)
                     else:
-                        await self._end(link, "ROLLBACK")
+                        await self._rollback(link)
                 if link in self._links:
                     self._links.discard(link)
                     with contextlib.suppress(Exception):

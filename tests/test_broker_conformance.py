@@ -463,7 +463,7 @@ async def test_concurrent_commits_share_writes_and_keep_their_own_outcomes(broke
     assert await broker.commit_effects(deliveries[2], [("HINCRBY", balances, "n", 1)], [balances]) is False
     assert await broker.redis.hget(balances, "n") == b"90"  # a duplicate applies nothing
     if isinstance(broker, RedisBroker) and not broker.cluster:
-        batcher = broker._batchers["commit_effects"]
+        batcher = broker._commit_batcher()
         assert batcher.calls == 151 and batcher.batches < 100  # calls made together shared writes
         assert batcher._busy == 0 and not batcher._queue
 
@@ -489,7 +489,7 @@ async def test_cancelled_commits_leave_the_shared_writes_working(broker: Broker,
     assert all(v == b"1" for v in values.values())  # sent or not, never twice
     assert {d.message_id.encode() for d in deliveries[100:]} <= set(values)
     if isinstance(broker, RedisBroker) and not broker.cluster:
-        batcher = broker._batchers["commit_effects"]
+        batcher = broker._commit_batcher()
         assert batcher._busy == 0 and not batcher._queue
 
 
@@ -504,7 +504,7 @@ async def test_a_caller_cancelled_as_it_is_handed_the_next_write_passes_it_on(br
     a, b, c = await broker.read(view, "a", 10, 10)
     await broker.inbox_claim(view, [a, b, c], 60_000)
     counts = f"{namespace}:{{x}}:counts"
-    batcher = broker._batcher("commit_effects")
+    batcher = broker._commit_batcher()
     assert batcher is not None
     batcher.width = 1  # one write in flight: b and c wait behind a
     tasks: dict[str, asyncio.Task[Any]] = {}
@@ -538,7 +538,7 @@ async def test_two_copies_committed_in_one_script_call_apply_once(broker: Broker
     first, one, again = await broker.read(view, "a", 10, 10)
     assert one.message_id == again.message_id != first.message_id
     counts = f"{namespace}:{{x}}:counts"
-    batcher = broker._batcher("commit_effects")
+    batcher = broker._commit_batcher()
     assert batcher is not None
     batcher.width = 1  # the copies queue behind the first write and go out together
     with anyio.fail_after(10):

@@ -66,7 +66,7 @@ class RedisCore:
         self._specs: dict[str, DestinationSpec] = {}
         self._claim_cursor: dict[tuple[str, str], str] = {}  # (stream, group) -> XAUTOCLAIM cursor
         self._pkeys: dict[tuple[str, int], PartitionKeys] = {}
-        self._batchers: dict[str, CommitBatcher] = {}  # "commit_effects" -> its commits from many tasks
+        self._commits: CommitBatcher | None = None  # effects commits from many tasks (made on first use)
         for command in _RAW:
             client.set_response_callback(command, _raw)
 
@@ -77,18 +77,17 @@ class RedisCore:
 
     async def close(self) -> None:
         """Close the connection pool."""
-        batchers, self._batchers = list(self._batchers.values()), {}
-        for batcher in batchers:
-            await batcher.aclose()
+        commits, self._commits = self._commits, None
+        if commits is not None:
+            await commits.aclose()
         await self.redis.aclose()
 
-    def _batcher(self, script: str) -> CommitBatcher | None:
-        """The batcher of ``script``'s calls, ``commit_effects`` (None on a Cluster: through the client)."""
-        batcher = self._batchers.get(script)
-        if batcher is None and not self.cluster:
+    def _commit_batcher(self) -> CommitBatcher | None:
+        """The batcher of effects commits (None on a Cluster: each commit goes through the client)."""
+        if self._commits is None and not self.cluster:
             channel = functools.partial(Channel, self.redis.connection_pool, command_timeout=self.command_timeout)
-            batcher = self._batchers[script] = CommitBatcher(self.scripts[script], channel)
-        return batcher
+            self._commits = CommitBatcher(self.scripts["commit_effects"], channel)
+        return self._commits
 
     def _partition_keys(self, name: str, partition: int) -> PartitionKeys:
         keys = self._pkeys.get((name, partition))

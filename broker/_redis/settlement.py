@@ -151,7 +151,7 @@ class Settlement(Topology):
         base_keys = (delivery.stream, source.keys.inbox, source.keys.attempts, source.keys.dlq, source.keys.lease)
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
         fence = _fence(token)
-        batcher = self._batcher("commit_effects")
+        batcher = self._commit_batcher()
         if batcher is None:  # a Cluster: through the client, alone
             args = [source.group, delete, now_ms(), fence, 1, *part]
             reply = await self.scripts["commit_effects"](self.redis, [*base_keys, *keys, *out_keys], args)

@@ -144,10 +144,8 @@ local function commit(e, bin, was_seen)
         if i == 1 then return {'E', err} end  -- the server refuses writes: nothing written, stays pending
         return redis.error_reply(dead.err)  -- (cannot happen: a write went through just before)
       end
-      redis.call('XACK', KEYS[1], ARGV[1], e.entry)
-      if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], e.entry) end
-      if s and tonumber(s) < 0 then redis.call('ZREM', KEYS[2], e.id) end
-      redis.call('HDEL', KEYS[3], e.id)
+      if s and tonumber(s) < 0 then redis.call('ZREM', KEYS[2], e.id) end  -- lease released: a redrive runs it
+      settle(e)
       return {dead, err, i - 1}
     end
     pos = pos + c + 1
