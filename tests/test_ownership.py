@@ -184,6 +184,8 @@ def test_keys_keep_their_order_across_workers_killed_restarted_and_paused(
     events = {8: "kill", 20: "kill", 32: "stop", 46: "kill"}
     paused: tuple[str, float] | None = None
     stopped = ("", 0.0)
+    resumed_at = 0.0  # wall time of the SIGCONT
+    paused_pid = ""
 
     def send(client: SyncClient, n: int) -> None:
         nonlocal sent
@@ -227,8 +229,10 @@ def test_keys_keep_their_order_across_workers_killed_restarted_and_paused(
                 name = rng.choice(NAMES)
                 procs[name].send_signal(signal.SIGSTOP)
                 paused = stopped = (name, time.monotonic())
+                paused_pid = str(procs[name].pid)
             if paused is not None and time.monotonic() - paused[1] > float(LEASE_TTL) + 3:
                 procs[paused[0]].send_signal(signal.SIGCONT)
+                resumed_at = time.time()
                 # resumed: it finds its partitions taken over, and drops their work (fenced meanwhile)
                 resumed = paused[0]
                 wait_for(lambda n=resumed: "lost ownership of a partition" in workers.log(n), 15, "the resumed loss")
@@ -255,7 +259,16 @@ def test_keys_keep_their_order_across_workers_killed_restarted_and_paused(
     overlaps = [x.decode() for x in r.lrange(f"{namespace}:t:overlaps", 0, -1)]
     print(f"\nownership: {sent} messages, kill -> partitions running elsewhere: {[round(m, 2) for m in moves]} s")
     assert (inversions, missing, duplicates) == (0, 0, 0), (examples, pids, stopped)
-    assert overlaps == [], (overlaps, pids, stopped)
+    # Two instances ran one key at once only as docs/partition-ownership.md allows: a handler the
+    # paused process had already entered when it froze went on when it resumed (its effects are
+    # fenced: checked above). A handler entered after the resume, or any other pair, is a defect.
+    unexplained = []
+    for entry in overlaps:
+        _k, _s, _p, pid_a, at_a, pid_b, at_b, _at = entry.split(":")
+        runs = {pid_a: int(at_a), pid_b: int(at_b)}
+        if paused_pid not in runs or runs[paused_pid] / 1000 >= resumed_at:
+            unexplained.append(entry)
+    assert unexplained == [], (unexplained, pids, stopped, resumed_at)
     assert stopped[0] and "lost ownership of a partition" in workers.log(stopped[0])
     logs = "".join(workers.log(n) for n in NAMES)
     assert "took over pending entries of an owned partition" in logs

@@ -3,9 +3,10 @@
 ``owner.seq`` has 8 partitions; each message carries a key ``k`` and that key's sequence number
 ``s``. The handler applies ``s`` (as ``s@pid``) to the key's list through its Redis effects (committed atomically
 with the inbox mark and the ack, under the partition's fencing token), so the list shows the order
-effects were applied in. While it runs it holds a per-key marker (SET NX, expiring after
-``MARKER_MS``); finding another instance's marker counts an overlap: a key run by two instances at
-once. ``ctx.partition`` -> "pid:unix ms" of the last application shows which process runs a partition.
+effects were applied in. While it runs it holds a per-key marker ("pid:ms the handler was entered",
+SET NX, expiring after ``MARKER_MS``); finding another instance's marker records an overlap, with
+both runs' pid and entry time: a key run by two instances at once. ``ctx.partition`` -> "pid:unix
+ms" of the last application shows which process runs a partition.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ SEQ = Queue("owner.seq", partitions=8)
 async def apply(msg: dict, ctx: Context) -> None:
     """Apply one (key, seq), checking no other instance runs the key meanwhile."""
     k, s = msg["k"], msg["s"]
+    me = f"{PID}:{int(time.time() * 1000)}"  # who runs it, and when the handler was entered
     marker = f"{NS}:t:running:{k}"
-    if not await ctx.redis.set(marker, PID, nx=True, px=MARKER_MS):
+    if not await ctx.redis.set(marker, me, nx=True, px=MARKER_MS):
         held = await ctx.redis.get(marker)
-        if held is not None and held.decode() != PID:
+        if held is not None and held.decode().split(":")[0] != PID:
             at = int(time.time() * 1000)
-            await ctx.redis.rpush(f"{NS}:t:overlaps", f"{k}:{s}:p{ctx.partition}:{PID}:{held.decode()}:{at}")
+            await ctx.redis.rpush(f"{NS}:t:overlaps", f"{k}:{s}:p{ctx.partition}:{me}:{held.decode()}:{at}")
     try:
         if SLEEP:
             await anyio.sleep(SLEEP)
@@ -44,5 +46,5 @@ async def apply(msg: dict, ctx: Context) -> None:
         tx.rpush(f"{NS}:t:applied:{k}", f"{s}@{PID}")
         tx.hset(f"{NS}:t:last", str(ctx.partition), f"{PID}:{int(time.time() * 1000)}")
     finally:
-        if await ctx.redis.get(marker) == PID.encode():
+        if await ctx.redis.get(marker) == me.encode():
             await ctx.redis.delete(marker)
