@@ -453,6 +453,11 @@ class Connection(Protocol):
     """The key layout (:mod:`broker.keys`): sagas keep their state and timeouts under the keys
     of their queue's partitions, in the same atomic commit as the inbox mark and the ack."""
 
+    async def read_shared(self, *command: Any) -> Any:
+        """Run one Redis read ``command`` sent together with other tasks' reads (a saga step's
+        state read); its raw reply, an error reply raised."""
+        ...
+
 
 class Scheduler(Protocol):
     """Scheduled messages (stored by :meth:`Publisher.publish` when their ``deliver-at`` header lies

@@ -34,6 +34,10 @@ What it promises (see ``docs/sagas.md``):
 * **Complete** (``ctx.complete()``) replaces the state by a tombstone (kept ``keep_completed``,
   default one day) in the same commit: late or duplicate messages for a completed saga, and its
   timeouts, are ignored rather than starting it again.
+* **State in SQL** (``sql=engine``): one row per instance in ``framework_saga_state``
+  (:mod:`framework._saga_sql`), read ``FOR UPDATE`` and saved with the same version guard inside
+  the step's ``ctx.sql_transaction``; the step's own rows (``ctx.sql``), its messages and its
+  timeouts (outbox rows with a due time) commit in that transaction.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from broker import COMMAND, derive_id
 from broker.codec import encode_fields
 from broker.errors import EffectsConflict
 from broker.headers import CAUSATION_ID, CORRELATION_ID, DELIVER_AT
-from framework._messages import build_envelope
+from framework._messages import Outgoing, build_envelope
 from framework._payloads import converter, decoder_for, type_name
 from framework.context import Context
 from framework.logs import get_logger
@@ -171,10 +175,17 @@ class SagaContext(Generic[S]):
     ``state`` in place (or assign a new one); it is saved when the step returns.
     """
 
-    __slots__ = ("_completed", "_pending", "_saga", "_timeouts", "context", "correlation", "state", "version")
+    __slots__ = ("_completed", "_pending", "_saga", "_timeouts", "context", "correlation", "sql", "state", "version")
 
     def __init__(
-        self, context: Context, saga: Saga[S], state: S, correlation: str, version: int, pending: dict[str, str]
+        self,
+        context: Context,
+        saga: Saga[S],
+        state: S,
+        correlation: str,
+        version: int,
+        pending: dict[str, str],
+        sql: Any = None,
     ) -> None:
         self.context = context
         """The plain handler :class:`~framework.Context` of the message (headers, ids, attempt)."""
@@ -185,6 +196,9 @@ class SagaContext(Generic[S]):
         """The instance's correlation id (the key every message of it carries on the saga queue)."""
         self.version = version
         """The state's version as loaded (0: this message starts the instance)."""
+        self.sql = sql
+        """The SQL connection of the step's transaction when the saga keeps its state in SQL
+        (``sql=``; else None): rows the step writes with it commit with the state, or not at all."""
         self._pending = pending
         self._timeouts: list[tuple[str, Any, int]] = []
         self._completed = False
@@ -211,13 +225,16 @@ class SagaContext(Generic[S]):
 
     def send(self, queue: str | Queue, command: Any, *, key: str | None = None, **kw: Any) -> _Staged:
         """Stage a command; it leaves only if this step's state is saved (``headers=``, ``type=`` as
-        for :meth:`Context.send`; for a delay use :meth:`request_timeout` and send from its step)."""
-        _no_delay(kw)
+        for :meth:`Context.send`; ``delay=``/``at=`` only when the state is in SQL, else use
+        :meth:`request_timeout` and send from its step)."""
+        if self.sql is None:
+            _no_delay(kw)
         return self.context.send(queue, command, key=key, **kw)
 
     def publish(self, topic: str | Topic, event: Any, *, key: str | None = None, **kw: Any) -> _Staged:
         """Stage an event; it leaves only if this step's state is saved."""
-        _no_delay(kw)
+        if self.sql is None:
+            _no_delay(kw)
         return self.context.publish(topic, event, key=key, **kw)
 
     def request_timeout(self, delay: timedelta | float | None, payload: Any, *, at: datetime | None = None) -> str:
@@ -256,7 +273,8 @@ class Saga(Generic[S]):
     dataclass or ``dict``; called with no arguments for a new instance); ``partitions`` the saga
     queue's partition count (> 1: partitions owned by one worker each, see
     ``docs/partition-ownership.md``); ``keep_completed`` how long a completed instance's
-    tombstone stays (late messages within it are ignored, after it they would start a new one).
+    tombstone stays (late messages within it are ignored, after it they would start a new one);
+    ``sql`` an AsyncEngine (or a function returning one) to keep the state in instead of Redis.
     """
 
     def __init__(
@@ -269,6 +287,7 @@ class Saga(Generic[S]):
         retry: RetryPolicy | None = None,
         timeout: timedelta | float | None = None,
         keep_completed: timedelta | float = DEFAULT_KEEP_COMPLETED,
+        sql: Any = None,
     ) -> None:
         self.service = service
         self.name = name
@@ -278,6 +297,13 @@ class Saga(Generic[S]):
         if keep <= 0:
             raise HandlerError(f"saga {service.name}.{name}: keep_completed must be positive")
         self.keep_completed_ms = int(keep * 1000)
+        self._keep = timedelta(seconds=keep)
+        if sql is not None and not (hasattr(sql, "sync_engine") or callable(sql)):
+            raise HandlerError(
+                f"saga {service.name}.{name}: sql= takes an SQLAlchemy AsyncEngine (framework.outbox.create_engine) "
+                "or a function returning one"
+            )
+        self._sql: Any = sql
         self._steps: dict[str, _Step] = {}  # source destination -> step
         self._timeout_steps: dict[str, _Step] = {}  # payload type name -> step
         self._retry = _saga_policy(retry or service.retry)
@@ -385,15 +411,57 @@ class Saga(Generic[S]):
             raise SagaError(f"saga {self.label}: no step for input {source!r} (message type {ctx.type})")
         if not ctx.key:
             raise SagaError(f"saga {self.label}: message {ctx.message_id} on the saga queue has no correlation key")
+        if self._sql is None:
+            await self._run_redis(step, source, body, ctx)
+        else:
+            await self._run_sql(step, source, body, ctx)
+
+    async def _run_redis(self, step: _Step, source: str, body: bytes, ctx: Context) -> None:
         key = self.state_key(ctx)
-        version_raw, state_raw, pending_raw, done = await ctx.redis.hmget(key, "v", "s", "t", "done")
+        # (sent with the other lanes' reads: one write for many steps)
+        version_raw, state_raw, pending_raw, done = await ctx._broker.read_shared("HMGET", key, "v", "s", "t", "done")
+        version = None if version_raw is None else int(version_raw)
         tx = ctx.redis_transaction()
-        tx.expect(key, "v", None if version_raw is None else int(version_raw))  # what follows is decided on this
+        tx.expect(key, "v", version)  # what follows is decided on this
+        sctx = await self._step(step, source, body, ctx, version, state_raw, pending_raw, bool(done), None)
+        if sctx is not None:
+            await self._save(ctx, sctx, key, version or 0)
+
+    async def _run_sql(self, step: _Step, source: str, body: bytes, ctx: Context) -> None:
+        from framework import _saga_sql
+
+        async with ctx.sql_transaction(self._engine()) as conn:
+            assert ctx.key is not None
+            row = await _saga_sql.load(conn, self.label, ctx.key, self._keep)
+            version = row.version or None
+            sctx = await self._step(step, source, body, ctx, version, row.state, row.timeouts, row.completed, conn)
+            if sctx is None:
+                return  # the block commits the message's inbox row alone
+            if sctx.completed:
+                await _saga_sql.complete(conn, self.label, sctx.correlation, row, self._keep)
+                return
+            state = orjson.dumps(converter.unstructure(sctx.state)).decode()
+            await _saga_sql.save(conn, self.label, sctx.correlation, row, state, orjson.dumps(sctx._pending).decode())
+            for timeout_id, payload, due in sctx._timeouts:  # outbox rows of this transaction
+                ctx._outgoing.append(self._timeout_envelope(ctx, sctx, timeout_id, payload, due, spec=True))
+
+    async def _step(
+        self,
+        step: _Step,
+        source: str,
+        body: bytes,
+        ctx: Context,
+        version: int | None,
+        state_raw: bytes | str | None,
+        pending_raw: bytes | str | None,
+        done: bool,
+        conn: Any,
+    ) -> SagaContext[S] | None:
+        """Decide on the loaded instance and run the step; None when the message is ignored."""
         if done:
             log.debug("message for a completed saga ignored", saga=self.label, correlation=ctx.key, input=source)
-            return
-        is_timeout = source.startswith("timeout:")
-        if version_raw is None:
+            return None
+        if version is None:
             if not step.starts:
                 log.info(
                     "message ignored: no running saga for it and its step does not start one",
@@ -402,26 +470,34 @@ class Saga(Generic[S]):
                     input=source,
                     message_id=ctx.message_id,
                 )
-                return
+                return None
             version = 0
             state = self.state_type()
             pending: dict[str, str] = {}
         else:
-            version = int(version_raw)
             state = self._load_state(state_raw)
             pending = orjson.loads(pending_raw) if pending_raw else {}
-        if is_timeout and pending.pop(ctx.message_id, None) is None:
+        if source.startswith("timeout:") and pending.pop(ctx.message_id, None) is None:
             log.debug("cancelled or stale timeout ignored", saga=self.label, correlation=ctx.key)
-            return
+            return None
         payload = step.decode(body)
-        sctx: SagaContext[S] = SagaContext(ctx, self, state, ctx.key, version, pending)
+        assert ctx.key is not None
+        sctx: SagaContext[S] = SagaContext(ctx, self, state, ctx.key, version, pending, conn)
         if step.is_async:
             await step.fn(payload, sctx)
         else:
             await anyio.to_thread.run_sync(functools.partial(step.fn, payload, sctx))
-        await self._save(ctx, sctx, key, version)
+        return sctx
 
-    def _load_state(self, raw: bytes | None) -> S:
+    def _engine(self) -> Any:
+        engine = self._sql
+        if not hasattr(engine, "sync_engine"):  # a function giving the engine: called once, on first use
+            engine = self._sql = engine()
+            if not hasattr(engine, "sync_engine"):
+                raise HandlerError(f"saga {self.label}: sql= gave {engine!r}, not an SQLAlchemy AsyncEngine")
+        return engine
+
+    def _load_state(self, raw: bytes | str | None) -> S:
         if self._state_decode is not None:
             return self._state_decode(raw or b"{}")  # type: ignore[no-any-return]
         return converter.structure(orjson.loads(raw or b"{}"), Any)  # type: ignore[no-any-return]
@@ -450,18 +526,25 @@ class Saga(Generic[S]):
         # leaves a stale hint, never a stored timeout no mover looks at (as publish does).
         await ctx.redis.zadd(keyspace.scheduled_index, {f"{self.queue.name}|{ctx.partition}": earliest}, lt=True)
         for timeout_id, payload, due in sctx._timeouts:
-            headers = {
-                SAGA_INPUT: f"timeout:{type_name(payload)}",
-                CORRELATION_ID: ctx.correlation_id,
-                CAUSATION_ID: ctx.message_id,
-                DELIVER_AT: str(due),
-            }
-            env, _ = build_envelope(
-                self.queue.name, COMMAND, payload, key=sctx.correlation, headers=headers, message_id=timeout_id
-            )
+            env, _ = self._timeout_envelope(ctx, sctx, timeout_id, payload, due)
             fields = _msgpack_strings([_as_bytes(f) for f in encode_fields(env)])
             tx.call("ZADD", pkeys.scheduled, due, timeout_id)
             tx.call("HSET", pkeys.scheduled_envelopes, timeout_id, fields)
+
+    def _timeout_envelope(
+        self, ctx: Context, sctx: SagaContext[S], timeout_id: str, payload: Any, due: int, *, spec: bool = False
+    ) -> Outgoing:
+        """The scheduled message a timeout is: to this saga's queue, keyed by the instance, due at ``due``."""
+        headers = {
+            SAGA_INPUT: f"timeout:{type_name(payload)}",
+            CORRELATION_ID: ctx.correlation_id,
+            CAUSATION_ID: ctx.message_id,
+            DELIVER_AT: str(due),
+        }
+        destination = self.queue if spec else self.queue.name  # (the outbox relay declares the queue from it)
+        return build_envelope(
+            destination, COMMAND, payload, key=sctx.correlation, headers=headers, message_id=timeout_id
+        )
 
 
 def _type_label(tp: Any) -> str:

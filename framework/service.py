@@ -283,13 +283,20 @@ class Service:
         retry: RetryPolicy | None = None,
         timeout: timedelta | float | None = None,
         keep_completed: timedelta | float | None = None,
+        sql: Any = None,
     ) -> Saga[Any]:
         """Declare a saga (process manager) of this service; its steps are declared on the returned
-        :class:`~framework.saga.Saga` (``@saga.event``, ``@saga.command``, ``@saga.timeout``)."""
+        :class:`~framework.saga.Saga` (``@saga.event``, ``@saga.command``, ``@saga.timeout``).
+
+        ``sql``: keep the state in the ``framework_saga_state`` table of this SQLAlchemy AsyncEngine
+        (or a function returning one) instead of Redis; steps then run in ``ctx.sql_transaction``
+        and their messages and timeouts leave through the outbox (run a relay)."""
         from framework.saga import DEFAULT_KEEP_COMPLETED, Saga
 
         keep = DEFAULT_KEEP_COMPLETED if keep_completed is None else keep_completed
-        return Saga(self, name, state=state, partitions=partitions, retry=retry, timeout=timeout, keep_completed=keep)
+        return Saga(
+            self, name, state=state, partitions=partitions, retry=retry, timeout=timeout, keep_completed=keep, sql=sql
+        )
 
     def _job(
         self,

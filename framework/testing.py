@@ -143,7 +143,10 @@ def temporary_database(url: str, prefix: str = "framework_test") -> Iterator[str
 
 
 class ServiceHarness:
-    """Runs services in this process against a real broker, with helpers to observe them."""
+    """Runs services in this process against a real broker, with helpers to observe them.
+
+    ``outbox_database_url`` also runs an outbox relay on that database (handlers and SQL sagas
+    whose messages leave through the outbox); :meth:`run_until_idle` does not wait for it."""
 
     def __init__(
         self,
@@ -153,12 +156,14 @@ class ServiceHarness:
         namespace: str | None = None,
         settings: RuntimeSettings | None = None,
         middleware: Sequence[Middleware] = (),
+        outbox_database_url: str | None = None,
     ) -> None:
         self.services = list(services)
         self.url = url
         self.namespace = namespace or unique_namespace()
         self.settings = settings or TEST_SETTINGS
         self.middleware = list(middleware)  # runtime-wide, outermost (see framework.middleware)
+        self.outbox_database_url = outbox_database_url  # also run an outbox relay on this database
         self.runtime: Runtime | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._done: anyio.Event | None = None  # created by start()
@@ -183,7 +188,13 @@ class ServiceHarness:
     async def start(self) -> Runtime:
         """Start (or restart) the runtime."""
         assert self._tg is not None
-        runtime = Runtime(self.services, broker=self.broker, settings=self.settings, middleware=self.middleware)
+        runtime = Runtime(
+            self.services,
+            broker=self.broker,
+            settings=self.settings,
+            middleware=self.middleware,
+            outbox_database_url=self.outbox_database_url,
+        )
         self._done = anyio.Event()
         await self._tg.start(self._run_runtime, runtime, self._done)
         self.runtime = runtime

@@ -550,6 +550,38 @@ async def test_two_copies_committed_in_one_script_call_apply_once(broker: Broker
     assert (await broker.stream_groups(view.stream))[0]["pending"] == 0  # both entries acked
 
 
+async def test_reads_from_many_tasks_share_writes_and_get_their_own_replies(broker: Broker, namespace: str) -> None:
+    """Saga steps read their state with ``read_shared``: 200 concurrent reads, each its own reply
+    (an error reply raised in its own caller only), in fewer writes than reads."""
+    if not isinstance(broker, RedisBroker):
+        pytest.skip("read_shared is the Redis broker's")
+    keys = [f"{namespace}:{{s}}:saga:{i}" for i in range(200)]
+    for i, key in enumerate(keys):
+        if i % 50 != 7:
+            await broker.redis.hset(key, mapping={"v": i, "s": f"state-{i}"})
+        else:
+            await broker.redis.set(key, "not a hash")  # WRONGTYPE for HMGET
+    replies: dict[int, object] = {}
+
+    async def read(i: int) -> None:
+        try:
+            replies[i] = await broker.read_shared("HMGET", keys[i], "v", "s", "t")
+        except Exception as exc:
+            replies[i] = type(exc).__name__
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            for i in range(200):
+                tg.start_soon(read, i)
+    for i in range(200):
+        expected = "ResponseError" if i % 50 == 7 else [str(i).encode(), f"state-{i}".encode(), None]
+        assert replies[i] == expected, i
+    if not broker.cluster:
+        batcher = broker._reads
+        assert batcher is not None and batcher.calls == 200 and batcher.batches < 100
+        assert batcher._busy == 0 and not batcher._queue
+
+
 async def test_departed_consumers_with_nothing_pending_are_pruned(broker: Broker) -> None:
     spec = DestinationSpec("prune.q", "command")
     [view] = await broker.subscribe(spec, "g")

@@ -307,21 +307,36 @@ class _Order:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("store", ["redis", pytest.param("sql", marks=pytest.mark.postgres)])
 def test_each_order_ends_shipped_or_cancelled_exactly_once_across_kills_and_races(
-    workers: Workers, redis_url: str, namespace: str
+    workers: Workers, redis_url: str, namespace: str, store: str, request: pytest.FixtureRequest
 ) -> None:
     """90 orders on 3 workers: a third get both messages (random order, some twice), a third one
     message (must cancel), a third their second message at about the timeout (either outcome);
-    a worker is SIGKILLed while the messages flow and another while the races run."""
+    a worker is SIGKILLed while the messages flow and another while the races run. ``sql``: the
+    saga's state in PostgreSQL, its messages and timeouts through each worker's outbox relay."""
     timeout = 4.0
-    opts = ("--visibility-timeout", "2", "--lease-ttl", "2")
+    opts: tuple[str, ...] = ("--visibility-timeout", "2", "--lease-ttl", "2")
     env = {"SAGA_TIMEOUT": str(timeout)}
+    if store == "sql":
+        from framework import outbox
+
+        pg_url = request.getfixturevalue("pg_url")
+
+        async def tables() -> None:
+            engine = outbox.create_engine(pg_url)
+            await outbox.create_tables(engine)
+            await engine.dispose()
+
+        anyio.run(tables)
+        env["SAGA_DATABASE_URL"] = pg_url
+        opts += ("--outbox-relay", pg_url)
 
     def start(name: str) -> Any:
         return workers.start("sagaapp:shipping", name, *opts, **env)
 
     procs = {f"w{i}": start(f"w{i}") for i in range(3)}
-    workers.start("sagaapp:recorder", "recorder", *opts)
+    workers.start("sagaapp:recorder", "recorder", "--visibility-timeout", "2", "--lease-ttl", "2")
     for name in [*procs, "recorder"]:
         wait_for(lambda name=name: "runtime started" in workers.log(name), 30, f"{name} to start")
     rng = random.Random(13)

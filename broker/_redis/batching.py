@@ -1,4 +1,4 @@
-"""Effects commits from many tasks sent together: one write, and one script call per source.
+"""Calls from many tasks sent together: effects commits (one script call per source) and reads.
 
 A handler that commits its Redis effects (``ctx.redis_transaction()``, a saga step) makes one
 commit per message. Sent one by one through the client, each pays redis-py's command machinery, a
@@ -15,6 +15,9 @@ the same commits sent one by one would have failed; whether a commit that was se
 unknown, exactly as for a single call. No task runs in the background: the caller whose call
 finds a free slot sends the batch (shielded from cancellation, since other callers wait on it),
 and a caller whose call waits is handed the next batch when a slot frees.
+
+The :class:`ReadBatcher` does the same for plain read commands (a saga step's state read): each
+call's reply is its own, and a write of many reads costs the worker one send and one wake-up.
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ if TYPE_CHECKING:
     from broker.scripts import Script
     from broker.wire import Channel
 
-__all__ = ["MAX_BATCH", "CommitBatcher"]
+__all__ = ["MAX_BATCH", "Batcher", "CommitBatcher", "ReadBatcher"]
 
 _LEAD: Any = object()  # a waiting caller's signal: a slot is free, send the queued calls yourself
-MAX_BATCH = 64  # commits per write at most (one script call of 64 runs about 4 ms on the server, blocking it)
+MAX_BATCH = 64  # calls per write at most (one script call of 64 commits runs about 4 ms on the server, blocking it)
 
 
 def _copy(exc: BaseException) -> BaseException:
@@ -54,18 +57,18 @@ def _copy(exc: BaseException) -> BaseException:
 class _Call:
     __slots__ = ("future", "keys", "part", "source")
 
-    def __init__(self, source: tuple[Any, ...], keys: Sequence[Any], part: list[Any], future: asyncio.Future[Any]):
+    def __init__(self, source: Any, keys: Sequence[Any], part: list[Any], future: asyncio.Future[Any]):
         self.source = source
         self.keys = keys
         self.part = part
         self.future = future
 
 
-class CommitBatcher:
-    """Sends ``commit_effects.lua`` commits from many tasks together (see the module docstring)."""
+class Batcher:
+    """Calls from many tasks sent together on channels, at most ``width`` writes in flight (see the
+    module docstring); subclasses say how a batch of calls becomes commands and replies."""
 
-    def __init__(self, script: Script, new_channel: Callable[[], Channel], *, width: int = 4) -> None:
-        self.script = script
+    def __init__(self, new_channel: Callable[[], Channel], *, width: int = 4) -> None:
         self._new_channel = new_channel  # () -> Channel
         self.width = width
         self._queue: deque[_Call] = deque()
@@ -74,10 +77,8 @@ class CommitBatcher:
         self.batches = 0  # batches sent (tests, observability)
         self.calls = 0  # calls sent
 
-    async def call(self, source: tuple[Any, ...], keys: Sequence[Any], part: list[Any]) -> Any:
-        """Commit one message: ``source`` = (stream, inbox, attempts, DLQ, lease key, group, delete
-        flag, fencing token), ``keys`` the keys its commands touch, ``part`` its section of ARGV
-        (see ``commit_effects.lua``). Its own result: -1 (fenced), or what the script lists for it."""
+    async def _submit(self, source: Any, keys: Sequence[Any], part: list[Any]) -> Any:
+        """Queue one call (or send it now, with the queued ones); its own reply, raised if an error."""
         loop = asyncio.get_running_loop()
         item = _Call(source, keys, part, loop.create_future())
         if self._busy < self.width:  # a free slot: send it now, with whatever is queued
@@ -115,23 +116,9 @@ class CommitBatcher:
         channel = self._idle.pop() if self._idle else self._new_channel()
         try:
             if batch:
-                by_source: dict[tuple[Any, ...], list[_Call]] = {}
-                for c in batch:
-                    by_source.setdefault(c.source, []).append(c)
-                groups = list(by_source.values())
-                replies = await self._run(channel, [self._command(calls) for calls in groups])
+                await self._exchange(channel, batch)
                 self.batches += 1
                 self.calls += len(batch)
-                for calls, reply in zip(groups, replies, strict=True):
-                    for i, c in enumerate(calls):
-                        if c.future.done():
-                            continue
-                        if isinstance(reply, list):
-                            c.future.set_result(reply[i])
-                        elif isinstance(reply, BaseException):
-                            c.future.set_result(reply if i == 0 else _copy(reply))
-                        else:  # one result for all (-1: fenced)
-                            c.future.set_result(reply)
         except BaseException as exc:
             for c in batch:
                 if not c.future.done():
@@ -154,6 +141,47 @@ class CommitBatcher:
             first.future.set_result(_LEAD)
             return
 
+    async def _exchange(self, channel: Channel, batch: list[_Call]) -> None:
+        """Send ``batch`` on ``channel`` and set each call's future to its reply."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Give the channels' connections back."""
+        idle, self._idle = self._idle, []
+        for channel in idle:
+            await channel.aclose()
+
+
+class CommitBatcher(Batcher):
+    """Sends ``commit_effects.lua`` commits from many tasks together (see the module docstring)."""
+
+    def __init__(self, script: Script, new_channel: Callable[[], Channel], *, width: int = 4) -> None:
+        super().__init__(new_channel, width=width)
+        self.script = script
+
+    async def call(self, source: tuple[Any, ...], keys: Sequence[Any], part: list[Any]) -> Any:
+        """Commit one message: ``source`` = (stream, inbox, attempts, DLQ, lease key, group, delete
+        flag, fencing token), ``keys`` the keys its commands touch, ``part`` its section of ARGV
+        (see ``commit_effects.lua``). Its own result: -1 (fenced), or what the script lists for it."""
+        return await self._submit(source, keys, part)
+
+    async def _exchange(self, channel: Channel, batch: list[_Call]) -> None:
+        by_source: dict[tuple[Any, ...], list[_Call]] = {}
+        for c in batch:
+            by_source.setdefault(c.source, []).append(c)
+        groups = list(by_source.values())
+        replies = await self._run(channel, [self._command(calls) for calls in groups])
+        for calls, reply in zip(groups, replies, strict=True):
+            for i, c in enumerate(calls):
+                if c.future.done():
+                    continue
+                if isinstance(reply, list):
+                    c.future.set_result(reply[i])
+                elif isinstance(reply, BaseException):
+                    c.future.set_result(reply if i == 0 else _copy(reply))
+                else:  # one result for all (-1: fenced)
+                    c.future.set_result(reply)
+
     def _command(self, calls: list[_Call]) -> list[Any]:
         """One script call committing ``calls`` (of one source)."""
         source = calls[0].source
@@ -175,8 +203,16 @@ class CommitBatcher:
                 replies[i] = reply
         return replies
 
-    async def aclose(self) -> None:
-        """Give the channels' connections back."""
-        idle, self._idle = self._idle, []
-        for channel in idle:
-            await channel.aclose()
+
+class ReadBatcher(Batcher):
+    """Sends read commands from many tasks together, one pipelined write (see the module docstring)."""
+
+    async def call(self, *command: Any) -> Any:
+        """Run ``command`` (a read: sent again after a lost connection is never harmful); its reply."""
+        return await self._submit(None, (), list(command))
+
+    async def _exchange(self, channel: Channel, batch: list[_Call]) -> None:
+        replies = await channel.execute_many([c.part for c in batch])
+        for c, reply in zip(batch, replies, strict=True):
+            if not c.future.done():
+                c.future.set_result(reply)

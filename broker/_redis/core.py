@@ -7,7 +7,7 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
-from broker._redis.batching import CommitBatcher
+from broker._redis.batching import CommitBatcher, ReadBatcher
 from broker.codec import max_body_bytes as max_body_bytes_setting
 from broker.keys import KeySpace, PartitionKeys
 from broker.scripts import Script, load_scripts
@@ -67,6 +67,7 @@ class RedisCore:
         self._claim_cursor: dict[tuple[str, str], str] = {}  # (stream, group) -> XAUTOCLAIM cursor
         self._pkeys: dict[tuple[str, int], PartitionKeys] = {}
         self._commits: CommitBatcher | None = None  # effects commits from many tasks (made on first use)
+        self._reads: ReadBatcher | None = None  # reads from many tasks (made on first use)
         for command in _RAW:
             client.set_response_callback(command, _raw)
 
@@ -77,9 +78,10 @@ class RedisCore:
 
     async def close(self) -> None:
         """Close the connection pool."""
-        commits, self._commits = self._commits, None
-        if commits is not None:
-            await commits.aclose()
+        for batcher in (self._commits, self._reads):
+            if batcher is not None:
+                await batcher.aclose()
+        self._commits = self._reads = None
         await self.redis.aclose()
 
     def _commit_batcher(self) -> CommitBatcher | None:
@@ -88,6 +90,16 @@ class RedisCore:
             channel = functools.partial(Channel, self.redis.connection_pool, command_timeout=self.command_timeout)
             self._commits = CommitBatcher(self.scripts["commit_effects"], channel)
         return self._commits
+
+    async def read_shared(self, *command: Any) -> Any:
+        """Run a read ``command`` in one write with other tasks' reads (its raw reply: bytes, not
+        decoded). Cheaper per call than the client under load; on a Cluster it goes through the client."""
+        if self.cluster:
+            return await self.redis.execute_command(*command)
+        if self._reads is None:
+            channel = functools.partial(Channel, self.redis.connection_pool, command_timeout=self.command_timeout)
+            self._reads = ReadBatcher(channel)
+        return await self._reads.call(*command)
 
     def _partition_keys(self, name: str, partition: int) -> PartitionKeys:
         keys = self._pkeys.get((name, partition))

@@ -7,6 +7,8 @@
 ``framework_outbox_shards`` the 64 shards (a message's key, else its id, picks one); a relay on
                             PostgreSQL locks the shards it publishes, so one key has one publisher
 ``framework_inbox``         (group_name, message_id) a consumer group processed, with processed_at
+``framework_saga_state``    state of sagas declared with ``sql=`` (one row per instance: version,
+                            state JSON, pending timeouts; a tombstone once completed)
 
 :func:`ddl` prints the same statements :func:`create_tables` runs, for your own migration tool.
 """
@@ -51,6 +53,7 @@ __all__ = [
     "lock_id",
     "metadata",
     "outbox_table",
+    "saga_state_table",
     "sent_table",
     "shards_table",
 ]
@@ -132,6 +135,29 @@ inbox_table = Table(
 )
 """Message ids a consumer group has processed (see :func:`claim_inbox`); cleaned after a window."""
 
+saga_state_table = Table(
+    "framework_saga_state",
+    metadata,
+    Column("saga", String(200), primary_key=True, comment="<service>.<saga>"),
+    Column("correlation", Text, primary_key=True, comment="the instance's correlation id"),
+    Column("version", BigInteger, nullable=False, comment="raised by every saved step"),
+    Column("state", Text, nullable=True, comment="JSON; NULL once completed"),
+    Column("timeouts", Text, nullable=True, comment="JSON object: pending timeout id -> payload type"),
+    Column("completed_at", DateTime(timezone=True), nullable=True, comment="set: a tombstone"),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+    Index(
+        "framework_saga_state_completed",
+        "saga",
+        "completed_at",
+        postgresql_where=text("completed_at IS NOT NULL"),
+        sqlite_where=text("completed_at IS NOT NULL"),
+    ),
+)
+"""State of sagas that keep it in SQL (``Service.saga(..., sql=engine)``); see docs/sagas.md."""
+
+_REQUIRED = ("framework_outbox", "framework_outbox_sent", "framework_outbox_shards", "framework_inbox")
+# (what a relay and the SQL inbox need; a saga keeping its state in SQL checks its own table)
+
 _PG_NOTIFY = [
     f"""CREATE OR REPLACE FUNCTION framework_outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -191,7 +217,7 @@ async def create_tables(engine: AsyncEngine) -> None:
 async def check_tables(engine: AsyncEngine) -> None:
     """Check the database answers and holds the outbox and inbox tables; raise DatabaseUnavailable if not."""
     await ping(engine)
-    names = [t.name for t in metadata.sorted_tables]
+    names = list(_REQUIRED)
     async with engine.connect() as conn:
         missing = await conn.run_sync(lambda c: [n for n in names if not inspect(c).has_table(n)])
     if missing:

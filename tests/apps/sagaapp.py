@@ -4,6 +4,9 @@ Shipping waits for ``payments.captured`` and ``stock.reserved`` of one order, in
 ships it once (a ``warehouse.ship`` command), and cancels it with a compensating command
 (``orders.cancel``: refund the payment / release the stock it saw) when the timeout fires first.
 
+With ``$SAGA_DATABASE_URL`` set (worker processes), or :func:`declare` given an engine (tests in
+one process), the saga keeps its state in that database instead of Redis.
+
 A ``recorder`` service handles both commands and counts them per order in Redis, exactly once
 per message (its counts commit with its inbox mark), so the test can see an order shipped or
 cancelled twice, by two different messages, or both.
@@ -12,11 +15,12 @@ cancelled twice, by two different messages, or both.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import attrs
 
 from framework import Context, Queue, Service, Topic
-from framework.saga import SagaContext
+from framework.saga import Saga, SagaContext
 
 TIMEOUT = float(os.environ.get("SAGA_TIMEOUT", "3"))  # seconds an order may wait for both messages
 
@@ -64,20 +68,28 @@ class Fulfilment:
     sku: str | None = None
 
 
-shipping = Service("shipping")
-fulfilment = shipping.saga("fulfilment", state=Fulfilment)
+def declare(sql: Any = None) -> tuple[Service, Saga[Fulfilment]]:
+    """The shipping service and its saga; ``sql``: keep the state in that database (else Redis)."""
+    shipping = Service("shipping")
+    fulfilment = shipping.saga("fulfilment", state=Fulfilment, sql=sql)
 
+    @fulfilment.event(PAYMENTS, correlate=lambda e: e.order_id)
+    async def payment_captured(event: PaymentCaptured, ctx: SagaContext[Fulfilment]) -> None:
+        ctx.state.paid_cents = event.amount_cents
+        progress(ctx)
 
-@fulfilment.event(PAYMENTS, correlate=lambda e: e.order_id)
-async def payment_captured(event: PaymentCaptured, ctx: SagaContext[Fulfilment]) -> None:
-    ctx.state.paid_cents = event.amount_cents
-    progress(ctx)
+    @fulfilment.event(STOCK, correlate=lambda e: e.order_id)
+    async def stock_reserved(event: StockReserved, ctx: SagaContext[Fulfilment]) -> None:
+        ctx.state.sku = event.sku
+        progress(ctx)
 
+    @fulfilment.timeout
+    async def timed_out(timeout: FulfilmentTimeout, ctx: SagaContext[Fulfilment]) -> None:
+        state = ctx.state
+        ctx.send(CANCEL, CancelOrder(timeout.order_id, state.paid_cents or 0, state.sku))
+        ctx.complete()
 
-@fulfilment.event(STOCK, correlate=lambda e: e.order_id)
-async def stock_reserved(event: StockReserved, ctx: SagaContext[Fulfilment]) -> None:
-    ctx.state.sku = event.sku
-    progress(ctx)
+    return shipping, fulfilment
 
 
 def progress(ctx: SagaContext[Fulfilment]) -> None:
@@ -90,11 +102,14 @@ def progress(ctx: SagaContext[Fulfilment]) -> None:
         ctx.complete()
 
 
-@fulfilment.timeout
-async def timed_out(timeout: FulfilmentTimeout, ctx: SagaContext[Fulfilment]) -> None:
-    state = ctx.state
-    ctx.send(CANCEL, CancelOrder(timeout.order_id, state.paid_cents or 0, state.sku))
-    ctx.complete()
+def _engine() -> Any:
+    from framework import outbox
+
+    return outbox.create_engine(os.environ["SAGA_DATABASE_URL"])
+
+
+# Worker processes keep the state in SQL when $SAGA_DATABASE_URL is set (run them with --outbox-relay).
+shipping, fulfilment = declare(_engine if os.environ.get("SAGA_DATABASE_URL") else None)
 
 
 recorder = Service("recorder")
