@@ -305,7 +305,7 @@ class Runner:
             self._external(
                 "saga",
                 "benchmarks.saga_bench",
-                lambda m: m.run(url, messages=s.messages // 4, repeats=self.repeats),
+                lambda m: m.run(url, messages=s.messages // 4, repeats=self.repeats, sql=True),
             )
 
     def _external(self, name: str, module_name: str, call: Callable[[Any], dict[str, Any]]) -> None:
@@ -592,6 +592,8 @@ class Runner:
             rows.append(self._external_row("scheduled messages", sc[0], _schedule_row))
         if not not_run("saga", "sagas") and (sg := self.trials.get("saga")):
             rows.append(self._external_row("sagas", sg[0], _saga_row))
+            if "saga_sql" in sg[0].get("medians", {}):
+                rows.append(self._external_row("sagas", sg[0], _saga_sql_row))
         return rows
 
     def _sql_rows(self, sm: dict[str, dict[str, Any]]) -> list[Row]:
@@ -728,6 +730,18 @@ def _saga_row(o: dict[str, Any]) -> Row:
         f"cost {cost['saga_step']:.1f}x plain\n[dim]{m['plain_tx'] / m['saga_step']:.1f}x redis_transaction[/dim]",
         target="< 2x plain",
         ok=cost["saga_step"] < 2,
+    )
+
+
+def _saga_sql_row(o: dict[str, Any]) -> Row:
+    m, cost = o["medians"], o["cost"]
+    return Row(
+        f"saga, state in PostgreSQL: {o['messages']:,} steps over {o['sagas']:,} instances, one worker",
+        f"{m['saga_sql']:,.0f} steps/s",
+        f"{m['sql_tx']:,.0f} msg/s\n[dim]ctx.sql_transaction handler, one upsert[/dim]",
+        f"cost {cost['saga_sql']:.1f}x the SQL handler",
+        target="(reported)",
+        ok=None,
     )
 
 

@@ -1,7 +1,7 @@
 """Sagas (#13): saga steps per second against plain handlers with the inbox on, one worker, same run.
 
     python -m benchmarks --only saga              (20,000 messages per kind; --quick: 5,000)
-    python -m benchmarks.saga_bench URL [N]       (a quick look without the runner)
+    python -m benchmarks.saga_bench URL [N] [--sql]  (a quick look without the runner)
 
 Each kind drains a backlog of N messages (preloaded while no worker runs, then one
 ``python -m framework run`` worker with default settings) from 4-partition destinations:
@@ -12,7 +12,14 @@ Each kind drains a backlog of N messages (preloaded while no worker runs, then o
 * ``saga_step``: messages sent straight to the saga's queue (key = correlation id, 1,000 saga
   instances): one step each = load the state, run, save it with the version guard in the commit;
 * ``saga_event``: events on a topic the saga subscribes to, so each is forwarded to the saga
-  queue first (two handler runs per event: the routing hop, then the step).
+  queue first (two handler runs per event: the routing hop, then the step);
+* ``sql_tx`` (with a database): a command handler that keeps the counter per key in PostgreSQL
+  inside ``ctx.sql_transaction`` (one upsert): exactly-once SQL state without a saga;
+* ``saga_sql`` (with a database): the saga's steps with ``sql=``: its state in PostgreSQL (read
+  ``FOR UPDATE``, saved with the version guard, in the step's ``ctx.sql_transaction``).
+
+The SQL kinds run when :func:`run` is given a database (the runner: ``$DATABASE_URL``'s server,
+else an embedded PostgreSQL); their yardstick is ``sql_tx`` (``saga_sql / sql_tx``).
 
 Rate = N / (time from the worker's "runtime started" line to the last message settled). Kinds are interleaved per
 round so background load hits them alike; the ratios are plain's rate over each kind's
@@ -39,6 +46,7 @@ from framework.testing import delete_namespace, unique_namespace
 __all__ = ["KINDS", "run", "trial"]
 
 KINDS = ("plain", "plain_tx", "saga_step", "saga_event")
+SQL_KINDS = ("sql_tx", "saga_sql")
 SAGAS = 1000  # saga instances (correlation ids) the messages spread over
 _BATCH = 5000
 
@@ -73,11 +81,51 @@ async def step(event: dict[str, Any], ctx: SagaContext[dict[str, Any]]) -> None:
     ctx.state["n"] = ctx.state.get("n", 0) + 1
 
 
+SQL_TX = Queue("bench.sql_tx", partitions=4)
+_UPSERT = (
+    "INSERT INTO bench_saga_counts (k, n) VALUES (:k, 1) ON CONFLICT (k) DO UPDATE SET n = bench_saga_counts.n + 1"
+)
+
+
+def _engine() -> Any:
+    from framework import outbox
+
+    return outbox.create_engine(os.environ["BENCH_DATABASE_URL"])
+
+
+sql_tx = Service("bsqltx")
+_sql_engine: Any = None
+
+
+@sql_tx.command(SQL_TX)
+async def count_sql(cmd: dict[str, Any], ctx: Context) -> None:
+    """A counter per key in PostgreSQL, exactly once with the SQL inbox row (the SQL yardstick)."""
+    global _sql_engine
+    if _sql_engine is None:
+        _sql_engine = _engine()
+    from sqlalchemy import text
+
+    async with ctx.sql_transaction(_sql_engine) as conn:
+        await conn.execute(text(_UPSERT), {"k": cmd["k"]})
+
+
+sql_sagas = Service("bsagasql")
+sql_counter = sql_sagas.saga("counter", state=dict, sql=_engine)
+
+
+@sql_counter.command(Queue("bench.saga.sql.inputs"), correlate=lambda c: c["k"])
+async def sql_step(cmd: dict[str, Any], ctx: SagaContext[dict[str, Any]]) -> None:
+    """Count the instance's messages, the state in PostgreSQL."""
+    ctx.state["n"] = ctx.state.get("n", 0) + 1
+
+
 _TARGETS = {
     "plain": "benchmarks.saga_bench:plain",
     "plain_tx": "benchmarks.saga_bench:plain_tx",
     "saga_step": "benchmarks.saga_bench:sagas",
     "saga_event": "benchmarks.saga_bench:sagas",
+    "sql_tx": "benchmarks.saga_bench:sql_tx",
+    "saga_sql": "benchmarks.saga_bench:sql_sagas",
 }
 
 
@@ -93,6 +141,10 @@ async def _preload(url: str, namespace: str, kind: str, n: int) -> None:
                         batch.send(PLAIN_TX, {"k": k}, key=k)
                     elif kind == "saga_step":
                         batch.send(counter.queue, {"k": k}, key=k, headers={SAGA_INPUT: EVENTS.name})
+                    elif kind == "sql_tx":
+                        batch.send(SQL_TX, {"k": k}, key=k)
+                    elif kind == "saga_sql":
+                        batch.send(sql_counter.queue, {"k": k}, key=k, headers={SAGA_INPUT: "bench.saga.sql.inputs"})
                     else:
                         batch.publish(EVENTS, {"k": k}, key=k)
 
@@ -100,7 +152,9 @@ async def _preload(url: str, namespace: str, kind: str, n: int) -> None:
 def _remaining(r: redis.Redis, namespace: str, kind: str, n: int) -> int:
     """Messages not yet settled (queues delete acked entries; the topic counts its group's lag)."""
     pipe = r.pipeline(transaction=False)
-    queue = {"plain": PLAIN, "plain_tx": PLAIN_TX}.get(kind, counter.queue)
+    queue = {"plain": PLAIN, "plain_tx": PLAIN_TX, "sql_tx": SQL_TX, "saga_sql": sql_counter.queue}.get(
+        kind, counter.queue
+    )
     for p in range(queue.partitions):
         pipe.xlen(f"{namespace}:{{{queue.name}:{p}}}")
     left = sum(pipe.execute())
@@ -116,7 +170,7 @@ def _remaining(r: redis.Redis, namespace: str, kind: str, n: int) -> int:
     return left
 
 
-def _drain(url: str, kind: str, n: int) -> float:
+def _drain(url: str, kind: str, n: int, db_url: str | None = None) -> float:
     """Preload ``n`` messages of ``kind``, start a worker, return messages settled per second."""
     namespace = unique_namespace(f"bench-saga-{kind.replace('_', '')}")
     r = redis.Redis.from_url(url)
@@ -124,7 +178,8 @@ def _drain(url: str, kind: str, n: int) -> float:
     args += ["--namespace", namespace, "--log-format", "json", "--consumer", "w"]
     try:
         anyio.run(functools.partial(_preload, url, namespace, kind, n))
-        with child(f"saga-{kind}", args, {}) as worker:
+        env = {"BENCH_DATABASE_URL": db_url} if db_url else {}
+        with child(f"saga-{kind}", args, env) as worker:
             deadline = time.monotonic() + 60
             while b"runtime started" not in worker.log_path.read_bytes():
                 worker.check()
@@ -144,15 +199,40 @@ def _drain(url: str, kind: str, n: int) -> float:
         delete_namespace(url, namespace)
 
 
-def trial(url: str, n: int) -> dict[str, float]:
+def trial(url: str, n: int, db_url: str | None = None) -> dict[str, float]:
     """One round: every kind once, interleaved; messages per second of each."""
-    return {kind: _drain(url, kind, n) for kind in KINDS}
+    out = {kind: _drain(url, kind, n) for kind in KINDS}
+    if db_url is not None:
+        for kind in SQL_KINDS:
+            _truncate(db_url)
+            out[kind] = _drain(url, kind, n, db_url)
+    return out
 
 
-def run(url: str, *, messages: int = 20_000, repeats: int = 1) -> dict[str, Any]:
-    """``repeats`` rounds; medians per kind and the cost of each kind in plain handler runs."""
-    trials = [trial(url, messages) for _ in range(repeats)]
-    medians = {k: statistics.median(t[k] for t in trials) for k in KINDS}
+def _truncate(db_url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS bench_saga_counts (k text PRIMARY KEY, n bigint NOT NULL)")
+        conn.execute("TRUNCATE bench_saga_counts, framework_saga_state, framework_inbox")
+
+
+def run(url: str, *, messages: int = 20_000, repeats: int = 1, sql: bool = False) -> dict[str, Any]:
+    """``repeats`` rounds; medians per kind and the cost of each kind in plain handler runs.
+
+    ``sql``: also the SQL kinds, on a scratch database (``$DATABASE_URL``'s server, else embedded)."""
+    with contextlib.ExitStack() as stack:
+        db_url = None
+        if sql:
+            from benchmarks import sql_bench
+
+            db_url = stack.enter_context(sql_bench.database(prefix="saga_bench"))
+        trials = [trial(url, messages, db_url) for _ in range(repeats)]
+    kinds = [*KINDS, *(SQL_KINDS if sql else ())]
+    medians = {k: statistics.median(t[k] for t in trials) for k in kinds}
+    cost = {k: medians["plain"] / medians[k] for k in KINDS if k != "plain"}
+    if sql:
+        cost["saga_sql"] = medians["sql_tx"] / medians["saga_sql"]  # (its yardstick: the SQL handler)
     return {
         "messages": messages,
         "sagas": SAGAS,
@@ -160,7 +240,7 @@ def run(url: str, *, messages: int = 20_000, repeats: int = 1) -> dict[str, Any]
         "trials": trials,
         "medians": medians,
         # cost of one message of each kind, in plain handler runs (plain rate over its rate)
-        "cost": {k: medians["plain"] / medians[k] for k in KINDS if k != "plain"},
+        "cost": cost,
     }
 
 
@@ -169,5 +249,6 @@ if __name__ == "__main__":  # a quick look without the benchmark runner
 
     import orjson
 
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 10_000
     with contextlib.suppress(KeyboardInterrupt):
-        print(orjson.dumps(run(sys.argv[1], messages=int(sys.argv[2]) if len(sys.argv) > 2 else 10_000)).decode())
+        print(orjson.dumps(run(sys.argv[1], messages=n, sql="--sql" in sys.argv)).decode())

@@ -208,7 +208,7 @@ class ReadBatcher(Batcher):
     """Sends read commands from many tasks together, one pipelined write (see the module docstring)."""
 
     async def call(self, *command: Any) -> Any:
-        """Run ``command`` (a read: sent again after a lost connection is never harmful); its reply."""
+        """Run ``command`` with the other queued reads; its reply (a failed write fails every read in it)."""
         return await self._submit(None, (), list(command))
 
     async def _exchange(self, channel: Channel, batch: list[_Call]) -> None:
