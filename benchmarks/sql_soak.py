@@ -197,6 +197,7 @@ class Soak:
         self.workers: list[Child] = []
         self.kills = 0
         self.resets = 0
+        self.stopping = threading.Event()  # set on Ctrl-C or SIGTERM: the monitor stops injecting faults
         self.samples: list[dict[str, float]] = []  # one per second: t, lag, rss_w0, used_memory
         # per minute: used_memory, inbox bytes, inbox ids, inbox keys, DLQ and backlog bytes, key tables
         self.memory: list[tuple[int, int, int, int, int, int]] = []
@@ -236,7 +237,7 @@ class Soak:
             f"{'kills':>5} {'resets':>6}",
             flush=True,
         )
-        while (now := time.monotonic()) - began < seconds:
+        while (now := time.monotonic()) - began < seconds and not self.stopping.is_set():
             lag = self.lag()
             lag_s = lag / self.rate
             max_lag = max(max_lag, lag_s)
@@ -255,7 +256,7 @@ class Soak:
                 next_line += 60
                 minute += 1
                 max_lag = 0.0
-            time.sleep(max(0.0, 1.0 - (time.monotonic() - now)))
+            self.stopping.wait(max(0.0, 1.0 - (time.monotonic() - now)))
 
     def _line(
         self,
@@ -368,6 +369,9 @@ def _soak(url: str, db_url: str, rate: float, options: Options, progress: Progre
             monitor.start()
             try:
                 anyio.run(_publish, url, namespace, rate, seconds, options, ledger)
+            except BaseException:  # Ctrl-C, SIGTERM: no more faults, no restarts; stop now
+                soak.stopping.set()
+                raise
             finally:
                 monitor.join()
             load_end = time.monotonic()
