@@ -11,7 +11,9 @@ import itertools
 import json
 import os
 import signal
+import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -146,6 +148,110 @@ def test_partitions_of_a_topic_spread_over_the_nodes(cluster: RunningCluster, ns
     assert len(nodes) >= 2, nodes
     assert sum(cluster_client.xlen(s) for s in streams) == 400
     assert all(cluster_client.xlen(s) > 0 for s in streams)
+
+
+def _move_slot(client: Any, slot: int, target: Any, password: str | None, pause: float) -> int:
+    """Reshard one slot to ``target`` the way ``redis-cli --cluster reshard`` does: IMPORTING and
+    MIGRATING, keys moved by MIGRATE a few at a time (with ``pause`` between, so commands meet the
+    slot half-moved), then the slot assigned on the target, the source and the others, in that
+    order (redis-cli's). Returns the keys moved."""
+    source = client.nodes_manager.get_node_from_slot(slot)
+    source_id = client.execute_command("CLUSTER MYID", target_nodes=source)
+    target_id = client.execute_command("CLUSTER MYID", target_nodes=target)
+    client.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", source_id, target_nodes=target)
+    client.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", target_id, target_nodes=source)
+    moved = 0
+    auth = ("AUTH", password) if password else ()
+    while keys := client.execute_command("CLUSTER GETKEYSINSLOT", slot, 3, target_nodes=source):
+        client.execute_command(
+            "MIGRATE", target.host, target.port, "", 0, 10_000, *auth, "KEYS", *keys, target_nodes=source
+        )
+        moved += len(keys)
+        time.sleep(pause)
+    others = [n for n in client.get_primaries() if n.name not in (target.name, source.name)]
+    for node in (target, source, *others):  # the target first: it ends IMPORTING before the source points at it
+        client.execute_command("CLUSTER SETSLOT", slot, "NODE", target_id, target_nodes=node)
+    client.nodes_manager.initialize()  # this client's own map (workers learn from MOVED replies)
+    return moved
+
+
+def test_resharding_with_the_workers_stopped_while_producers_publish_loses_and_doubles_nothing(
+    cluster: RunningCluster, ns: str, env: dict[str, str], cluster_client: Any, tmp_path: Path
+) -> None:
+    """The procedure docs/cluster.md gives: workers consume, are stopped (SIGTERM), four partitions'
+    slots move to other nodes (keys migrated a few at a time) while a producer goes on publishing,
+    workers start again: every job applied once, lag back to zero, nothing dead-lettered."""
+    total, moving = 4000, range(4)
+    sent = 0
+
+    async def send() -> None:
+        nonlocal sent
+        async with Client(cluster.url, namespace=ns) as client:
+            from framework import Queue
+
+            queue = Queue("cl.moves", partitions=PARTITIONS)
+            for start in range(0, total, 100):
+                batch = [{"n": n} for n in range(start, start + 100)]
+                await client.send_many(queue, batch, key=lambda c: f"k{c['n'] % 100}")
+                sent = start + 100
+                await anyio.sleep(0.05)
+
+    applied_keys = [f"{ns}:test:{{cl.moves:{p}}}:applied" for p in range(PARTITIONS)]
+
+    def applied() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key in applied_keys:
+            out.update({k.decode(): int(v) for k, v in cluster_client.hgetall(key).items()})
+        return out
+
+    password = urllib.parse.urlsplit(cluster.url).password
+    workers = Workers(env, tmp_path)
+    producer = threading.Thread(target=anyio.run, args=(send,))
+    opts = ("--visibility-timeout", "3", "--shutdown-timeout", "5", "--lease-ttl", "2")
+
+    def start(names: tuple[str, ...]) -> None:
+        for name in names:
+            workers.start("clusterapp:moves", name, *opts)
+        for name in names:
+            wait_for(lambda name=name: "runtime started" in workers.log(name), 30, f"{name} to start")
+
+    try:
+        start(("w1", "w2"))
+        producer.start()
+        wait_for(lambda: len(applied()) >= 500, 30, "the workers to get going")
+        for proc in workers.procs:  # the procedure: the group's workers stop (gracefully) first
+            proc.send_signal(signal.SIGTERM)
+        assert all(p.wait(timeout=30) == 0 for p in workers.procs)
+        primaries = cluster_client.get_primaries()
+        moves = []
+        for p in moving:  # each to the next node along, while the producer publishes to it
+            slot = cluster_client.keyslot(f"{{cl.moves:{p}}}")
+            source = cluster_client.nodes_manager.get_node_from_slot(slot)
+            target = primaries[(primaries.index(source) + 1) % len(primaries)]
+            moves.append((p, source.name, target.name, _move_slot(cluster_client, slot, target, password, 0.05)))
+        assert sent < total  # the moves happened while messages were still being published
+        start(("w3", "w4"))
+        producer.join(timeout=60)
+        wait_for(lambda: len(applied()) >= total, 90, "every job")
+        time.sleep(1.0)  # a late duplicate would show up now
+        done = applied()
+        assert sorted(done, key=int) == [str(n) for n in range(total)]  # nothing lost
+        assert set(done.values()) == {1}  # nothing applied twice
+        for p, source, target, keys in moves:
+            slot = cluster_client.keyslot(f"{{cl.moves:{p}}}")
+            assert cluster_client.nodes_manager.get_node_from_slot(slot).name == target != source
+            assert keys > 0
+        out = run_cli("status", "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        [moved_queue] = [d for d in json.loads(out.stdout) if d["name"] == "cl.moves"]
+        assert moved_queue["groups"][0]["lag"] == 0 and moved_queue["groups"][0]["dead_letters"] == 0
+        print("moved (partition, from, to, keys):", moves)
+        for proc in workers.procs[2:]:
+            proc.send_signal(signal.SIGTERM)
+        assert all(p.wait(timeout=30) == 0 for p in workers.procs[2:])
+    finally:
+        workers.stop_all()
+        producer.join(timeout=30)
 
 
 def test_workers_on_a_cluster_lose_nothing_apply_nothing_twice_and_dead_letter_the_poison(

@@ -22,3 +22,13 @@ async def job(cmd: dict, ctx: Context) -> None:
         raise RuntimeError("poisoned job")
     tx = ctx.redis_transaction()
     tx.hincrby(f"{NS}:test:{ctx.hash_tag}:applied", str(cmd["n"]), 1)
+
+
+moves = Service("clmoves")
+
+
+@moves.command(Queue("cl.moves", partitions=8))
+async def move(cmd: dict, ctx: Context) -> None:
+    """Applies each job once (its partitions' slots are resharded while it runs)."""
+    tx = ctx.redis_transaction()
+    tx.hincrby(f"{NS}:test:{ctx.hash_tag}:applied", str(cmd["n"]), 1)
