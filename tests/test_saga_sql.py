@@ -17,14 +17,12 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from broker import new_id
-from framework import Client, RetryPolicy, Service, outbox
+from framework import RetryPolicy, Service, outbox
 from framework.dead_letters import DeadLetters
 from framework.saga import SagaContext
-from framework.testing import TEST_SETTINGS, ServiceHarness
+from framework.testing import ServiceHarness
 from tests.apps import sagaapp
-from tests.apps.sagaapp import PAYMENTS, STOCK, PaymentCaptured, StockReserved
-from tests.test_sagas import _check_once, _outcomes
+from tests.test_sagas import Orders, _check_once, _outcomes, trickle_to_two_runtimes
 
 pytestmark = pytest.mark.postgres
 
@@ -55,15 +53,8 @@ async def test_the_example_ships_once_and_cancels_on_timeout_with_its_state_in_p
         async with ServiceHarness(
             [shipping, sagaapp.recorder], url=redis_url, namespace=namespace, outbox_database_url=pg_url
         ) as h:
-            c: Client = h.client
-            pay = {o: new_id() for o in ("pay-first", "stock-first", "dup", "only-pay", "late")}
-            stock = {o: new_id() for o in ("pay-first", "stock-first", "dup", "only-stock", "late")}
-
-            async def payment(order: str) -> None:
-                await c.publish(PAYMENTS, PaymentCaptured(order, 1000), key=order, message_id=pay[order])
-
-            async def reserve(order: str) -> None:
-                await c.publish(STOCK, StockReserved(order, f"sku-{order}"), key=order, message_id=stock[order])
+            orders = Orders(h.client)
+            payment, reserve = orders.payment, orders.reserve
 
             for order in ("pay-first", "dup", "only-pay", "late"):
                 await payment(order)
@@ -178,23 +169,8 @@ async def test_two_runtimes_on_one_shared_partition_lose_no_update(pg_url: str, 
         await anyio.sleep(0.02)  # widen the window between the load and the save
         ctx.state["n"] = n + 1
 
-    settings = attrs.evolve(TEST_SETTINGS, ownership="off")
     try:
-        async with (
-            ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as a,
-            ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as b,
-        ):
-            for i in range(120):
-                await a.client.publish("sqlcount.ticks", {"k": f"k{i % 3}"})
-                await anyio.sleep(0.003)
-            with anyio.fail_after(60):
-                while True:
-                    await a.run_until_idle()
-                    await b.run_until_idle()
-                    stats = [h.stats()["sqlcounting.saga_counter"] for h in (a, b)]
-                    if sum(s["processed"] for s in stats) >= 120:
-                        break
-                    await anyio.sleep(0.1)
+        stats = await trickle_to_two_runtimes(svc, redis_url, namespace, "sqlcount.ticks", 120, 60)
         rows = await _rows(engine, "SELECT correlation, state, version FROM framework_saga_state ORDER BY 1")
         assert rows == [("k0", '{"n":40}', 40), ("k1", '{"n":40}', 40), ("k2", '{"n":40}', 40)]
         assert all(s["processed"] > 0 for s in stats), stats  # both ran steps

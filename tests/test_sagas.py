@@ -22,6 +22,7 @@ import redis
 
 from broker import DestinationSpec, Envelope, RedisBroker, new_id
 from broker.errors import EffectsConflict
+from broker.keys import KeySpace
 from framework import Client, HandlerError, Service, SyncClient
 from framework.effects import RedisEffects
 from framework.saga import SAGA_INPUT, SagaContext, SagaError, SagaRetryPolicy
@@ -117,32 +118,43 @@ async def tick(event: dict, ctx: SagaContext[dict]) -> None:
     ctx.state["n"] = n + 1
 
 
+async def trickle_to_two_runtimes(
+    service: Service, redis_url: str, namespace: str, topic: str, n: int, timeout: float
+) -> list[dict[str, Any]]:
+    """Publish ``n`` events (keys k0-k2) one at a time to ``topic`` while two runtimes of ``service``
+    with ownership off share its saga queue's partition; each runtime's stats of the saga step."""
+    settings = attrs.evolve(TEST_SETTINGS, ownership="off")
+    step = f"{service.name}.saga_counter"
+    async with (
+        ServiceHarness([service], url=redis_url, namespace=namespace, settings=settings) as a,
+        ServiceHarness([service], url=redis_url, namespace=namespace, settings=settings) as b,
+    ):
+        for i in range(n):  # a trickle: each new entry goes to whichever runtime is waiting for one
+            await a.client.publish(topic, {"k": f"k{i % 3}"})
+            await anyio.sleep(0.003)
+        with anyio.fail_after(timeout):
+            while True:
+                await a.run_until_idle()
+                await b.run_until_idle()
+                stats = [h.stats()[step] for h in (a, b)]
+                if sum(s["processed"] for s in stats) >= n:
+                    return stats
+                await anyio.sleep(0.1)
+
+
 @pytest.mark.anyio
 async def test_two_runtimes_on_one_shared_partition_lose_no_update(redis_url: str, namespace: str) -> None:
     """Ownership off: both runtimes read the saga queue's one partition, so steps of one saga run
     at once in two processes; the version check makes the loser run again on the new state."""
-    settings = attrs.evolve(TEST_SETTINGS, ownership="off")
-    async with (
-        ServiceHarness([counting], url=redis_url, namespace=namespace, settings=settings) as a,
-        ServiceHarness([counting], url=redis_url, namespace=namespace, settings=settings) as b,
-    ):
-        for i in range(150):  # a trickle: each new entry goes to whichever runtime is waiting for one
-            await a.client.publish("count.ticks", {"k": f"k{i % 3}"})
-            await anyio.sleep(0.003)
-        with anyio.fail_after(30):
-            while True:
-                await a.run_until_idle()
-                await b.run_until_idle()
-                stats = [h.stats()["counting.saga_counter"] for h in (a, b)]
-                if sum(s["processed"] for s in stats) >= 150:
-                    break
-                await anyio.sleep(0.1)
-        key = f"{a.broker.keyspace.partition(counter.queue.name, 0).stream}:saga:"
-        states = {k: orjson.loads(await a.broker.redis.hget(key + k, "s")) for k in ("k0", "k1", "k2")}
-        assert states == {"k0": {"n": 50}, "k1": {"n": 50}, "k2": {"n": 50}}
-        assert all(s["processed"] > 0 for s in stats), stats  # both ran steps
-        assert sum(s["retried"] for s in stats) > 0, stats  # and some conflicted: the check was needed
-        assert sum(s["dead_lettered"] for s in stats) == 0
+    stats = await trickle_to_two_runtimes(counting, redis_url, namespace, "count.ticks", 150, 30)
+    key = f"{KeySpace(namespace).partition(counter.queue.name, 0).stream}:saga:"
+    r = redis.Redis.from_url(redis_url)
+    states = {k: orjson.loads(r.hget(key + k, "s")) for k in ("k0", "k1", "k2")}
+    r.close()
+    assert states == {"k0": {"n": 50}, "k1": {"n": 50}, "k2": {"n": 50}}
+    assert all(s["processed"] > 0 for s in stats), stats  # both ran steps
+    assert sum(s["retried"] for s in stats) > 0, stats  # and some conflicted: the check was needed
+    assert sum(s["dead_lettered"] for s in stats) == 0
 
 
 # -- starts=False, cancelled timeouts, sync steps, refused delays ------------------------------------
@@ -223,6 +235,23 @@ def _check_once(out: dict[str, Any], orders: list[str]) -> None:
         assert len(ids) == 1, f"{order}: ended by {len(ids)} messages"
 
 
+class Orders:
+    """Publishes the example's two inputs for named orders; each order's payment (or reservation)
+    always carries the same message id, so publishing it again is a duplicate delivery."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.ids: dict[tuple[str, str], str] = {}
+
+    async def payment(self, order: str) -> None:
+        message_id = self.ids.setdefault((order, "pay"), new_id())
+        await self.client.publish(PAYMENTS, PaymentCaptured(order, 1000), key=order, message_id=message_id)
+
+    async def reserve(self, order: str) -> None:
+        message_id = self.ids.setdefault((order, "stock"), new_id())
+        await self.client.publish(STOCK, StockReserved(order, f"sku-{order}"), key=order, message_id=message_id)
+
+
 @pytest.mark.anyio
 async def test_orders_ship_once_in_either_order_with_duplicates_and_cancel_on_timeout(
     redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
@@ -230,15 +259,8 @@ async def test_orders_ship_once_in_either_order_with_duplicates_and_cancel_on_ti
     monkeypatch.setattr(sagaapp, "TIMEOUT", 2.5)
     r = redis.Redis.from_url(redis_url)
     async with ServiceHarness([sagaapp.shipping, sagaapp.recorder], url=redis_url, namespace=namespace) as h:
-        c: Client = h.client
-        pay = {o: new_id() for o in ("pay-first", "stock-first", "dup", "only-pay", "late")}
-        stock = {o: new_id() for o in ("pay-first", "stock-first", "dup", "only-stock", "late")}
-
-        async def payment(order: str) -> None:
-            await c.publish(PAYMENTS, PaymentCaptured(order, 1000), key=order, message_id=pay[order])
-
-        async def reserve(order: str) -> None:
-            await c.publish(STOCK, StockReserved(order, f"sku-{order}"), key=order, message_id=stock[order])
+        orders = Orders(h.client)
+        payment, reserve = orders.payment, orders.reserve
 
         await payment("pay-first")
         await reserve("stock-first")
