@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
@@ -84,11 +85,14 @@ class RedisCore:
         self._commits = self._reads = None
         await self.redis.aclose()
 
+    def _channels(self) -> Callable[[], Channel]:
+        """Makes the batchers' channels (connections of the client's pool, this broker's timeout)."""
+        return functools.partial(Channel, self.redis.connection_pool, command_timeout=self.command_timeout)
+
     def _commit_batcher(self) -> CommitBatcher | None:
         """The batcher of effects commits (None on a Cluster: each commit goes through the client)."""
         if self._commits is None and not self.cluster:
-            channel = functools.partial(Channel, self.redis.connection_pool, command_timeout=self.command_timeout)
-            self._commits = CommitBatcher(self.scripts["commit_effects"], channel)
+            self._commits = CommitBatcher(self.scripts["commit_effects"], self._channels())
         return self._commits
 
     async def read_shared(self, *command: Any) -> Any:
@@ -97,8 +101,7 @@ class RedisCore:
         if self.cluster:
             return await self.redis.execute_command(*command)
         if self._reads is None:
-            channel = functools.partial(Channel, self.redis.connection_pool, command_timeout=self.command_timeout)
-            self._reads = ReadBatcher(channel)
+            self._reads = ReadBatcher(self._channels())
         return await self._reads.call(*command)
 
     def _partition_keys(self, name: str, partition: int) -> PartitionKeys:
