@@ -37,6 +37,12 @@ Outcomes stay per message:
   had in fact happened. A crash before the commit redelivers every member, and the inbox rows make
   that safe. A handler that catches these errors still fails: the runtime checks the block's outcome.
 
+When a member finishes, its transaction commits at once unless others can join it soon: while
+handlers wait for a link, or while blocks have been finishing less than ``group_commit_wait``
+apart (a moving average: a steady moderate load), when the link goes back free with its
+transaction open and the next block to start joins it (no ``BEGIN`` of its own); a timer commits
+it ``group_commit_wait`` after its first member finished. At lower rates nothing waits.
+
 The bound on added latency: a finished member waits at most ``group_commit_wait`` plus the rest of
 the block running on its link at that moment (a transaction cannot commit half a block).
 ``group_commit_size=1`` is one transaction per message.
@@ -111,10 +117,11 @@ def _literal(value: str) -> str:
 class _Group:
     """One shared transaction's outcome, awaited by its members."""
 
-    __slots__ = ("done", "error", "ids", "own")
+    __slots__ = ("done", "error", "ids", "lingering", "own")
 
     def __init__(self) -> None:
         self.done = asyncio.Event()  # (psycopg's async connections run on asyncio only)
+        self.lingering = False  # a timer will end it if no member is running on its link by then
         self.error: BaseException | None = None  # every member's outcome, unless in ``own``
         self.own: dict[tuple[str, str], BaseException] = {}  # one member's outcome, by (service, message id)
         self.ids: dict[tuple[str, str], str] = {}  # finished members: (service, message id) -> inbox row values
@@ -161,6 +168,9 @@ class GroupCommitter:
         self.commits = 0  # transactions committed (observability, tests)
         self.members = 0  # members committed
         self.rollbacks = 0  # shared transactions rolled back for one member (its failure or duplicate)
+        self.gap = wait * 2  # moving average of the time between blocks finishing (``_worth_lingering``)
+        self._last_finish = 0.0
+        self._enders: set[asyncio.Task[None]] = set()  # transactions ended by their linger timer
 
     # -- links ------------------------------------------------------------------------------------
 
@@ -204,8 +214,47 @@ class GroupCommitter:
     def _must_end(self, link: _Link) -> bool:
         """Whether the member leaving ``link`` ends its transaction (commit or rollback) first."""
         if link.members:
-            return not self._waiters or link.members >= self.size or time.monotonic() - link.since >= self.wait
+            if link.members >= self.size or time.monotonic() - link.since >= self.wait:
+                return True
+            return not self._waiters and not self._worth_lingering()
         return link.open and not self._waiters
+
+    def _worth_lingering(self) -> bool:
+        """Whether, with no handler waiting, a finished member's transaction should stay open for
+        blocks finishing soon (until ``wait`` after its first member): when blocks have been
+        finishing less than ``wait`` apart. At lower rates nothing would join; it commits at once."""
+        return self.gap < self.wait
+
+    def _finished(self) -> None:
+        """A block finished: update the moving average of the time between blocks finishing."""
+        now = time.monotonic()
+        sample = min(now - self._last_finish, 4 * self.wait)  # one idle spell does not count for long
+        self._last_finish = now
+        self.gap += (sample - self.gap) * 0.125
+
+    def _linger(self, link: _Link) -> None:
+        """``link`` goes back free with members in its transaction: end it ``wait`` after its first
+        member finished, unless a member running on it then ends it."""
+        group = link.group
+        if group is None or group.lingering:
+            return
+        group.lingering = True
+        delay = max(0.0, link.since + self.wait - time.monotonic())
+        asyncio.get_running_loop().call_later(delay, self._linger_over, link, group)
+
+    def _linger_over(self, link: _Link, group: _Group) -> None:
+        if link.group is not group:  # ended meanwhile
+            return
+        if link not in self._free:  # a member runs on it: it ends it, or lingers it again (a new timer)
+            group.lingering = False
+            return
+        if (left := link.since + self.wait - time.monotonic()) > 0:  # timers may fire a little early
+            asyncio.get_running_loop().call_later(left, self._linger_over, link, group)
+            return
+        self._free.remove(link)
+        task = asyncio.get_running_loop().create_task(self._release(link))
+        self._enders.add(task)
+        task.add_done_callback(self._enders.discard)
 
     def _hand_over(self, link: _Link) -> None:
         """Give ``link`` to the first handler waiting for one, else put it back."""
@@ -217,6 +266,8 @@ class GroupCommitter:
                 return
         # (rarely with an empty transaction begun for a waiter that left: the next member uses it)
         self._free.append(link)
+        if link.members:
+            self._linger(link)
 
     async def _release(self, link: _Link) -> None:
         """A member is done with ``link``: commit if it is time, then hand it to the next waiter."""
@@ -400,6 +451,7 @@ class GroupCommitter:
             raise
         ctx._unstage_from(before)
         self.failure_rate -= self.failure_rate * _DECAY
+        self._finished()
         link.members += 1
         group.ids[key] = f"({service}, {message_id}, now())"
         if link.members == 1:
@@ -471,6 +523,9 @@ class GroupCommitter:
                 connections=self._opened,
             )
         with anyio.CancelScope(shield=True):
+            for task in list(self._enders):
+                with contextlib.suppress(Exception):
+                    await task
             for link in list(self._links):
                 if link.open:
                     if link.members:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import redis
 import structlog
@@ -470,3 +471,81 @@ async def test_a_block_without_a_savepoint_never_rolls_back_to_an_earlier_member
     for name in returned:  # a block that returned normally committed its row with its inbox row
         assert name in rows and f"m-{name}" in inbox, (name, rows, inbox)
     assert {f"m-{n}" for n in rows} == inbox  # no inbox row without its effects
+
+
+async def _trickle(committer: Any, spacing: float, count: int, block: float) -> list[float]:
+    """Start ``count`` blocks ``spacing`` apart, each writing a row and taking ``block`` seconds;
+    return how long each waited for its commit after its block ended."""
+    waits: list[float] = []
+
+    async def member(n: int) -> None:
+        async with committer.transaction(_BlockContext(f"m-{n}")) as conn:  # type: ignore[arg-type]
+            await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": str(n)})
+            await anyio.sleep(block)
+            ended = time.monotonic()
+        waits.append(time.monotonic() - ended)
+
+    async def busy_neighbour() -> None:  # long loop iterations, as in a loaded worker (uvloop's clock lags)
+        while True:
+            time.sleep(0.002)  # noqa: ASYNC251 - blocking on purpose
+            await anyio.lowlevel.checkpoint()
+
+    with anyio.fail_after(30):  # a transaction nobody ends would hang its members here
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(busy_neighbour)
+            async with anyio.create_task_group() as members:
+                for n in range(count):
+                    members.start_soon(member, n)
+                    await anyio.sleep(spacing)
+            tg.cancel_scope.cancel()
+    return waits
+
+
+async def _rows(pg_url: str) -> tuple[set[str], set[str]]:
+    engine = outbox.create_engine(pg_url)
+    try:
+        async with engine.connect() as conn:
+            rows = {r[0] for r in await conn.execute(text("SELECT n FROM applied"))}
+            inbox = {r[0] for r in await conn.execute(text("SELECT message_id FROM framework_inbox"))}
+    finally:
+        await engine.dispose()
+    return rows, inbox
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": True})])  # as workers run
+async def test_under_a_steady_trickle_a_finished_transaction_stays_open_for_the_next_blocks(pg_url: str) -> None:
+    """Blocks finishing less than the group wait apart, never waiting for a connection: each
+    transaction stays open for the next blocks (fewer commits than blocks), a timer ends it, so
+    every block returns within the wait bound, the last ones too."""
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    wait = 0.03
+    committer = group_commit.GroupCommitter(engine, size=64, wait=wait, connections=4)
+    try:
+        waits = await _trickle(committer, spacing=0.0015, count=300, block=0.001)
+    finally:
+        await committer.aclose()
+        await engine.dispose()
+    rows, inbox = await _rows(pg_url)
+    assert rows == {str(n) for n in range(300)} and inbox == {f"m-{n}" for n in range(300)}
+    assert committer.members == 300
+    assert committer.commits < 300 / 3, f"{committer.commits} commits for 300 blocks: nothing lingered"
+    bound = wait + 0.001 + 0.15  # + the block running on the link, a commit and a loaded machine
+    assert max(waits) <= bound, f"a block waited {max(waits) * 1000:.0f} ms for its commit (bound {bound * 1000:.0f})"
+
+
+@pytest.mark.anyio
+async def test_blocks_finishing_further_apart_than_the_group_wait_commit_at_once(pg_url: str) -> None:
+    """At a low rate nothing would join a transaction: each block commits alone, without waiting."""
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    committer = group_commit.GroupCommitter(engine, size=64, wait=0.01, connections=4)
+    try:
+        await _trickle(committer, spacing=0.04, count=20, block=0.0)
+    finally:
+        await committer.aclose()
+        await engine.dispose()
+    rows, _ = await _rows(pg_url)
+    assert len(rows) == 20
+    assert committer.commits == committer.members == 20
