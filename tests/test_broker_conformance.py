@@ -550,6 +550,32 @@ async def test_two_copies_committed_in_one_script_call_apply_once(broker: Broker
     assert (await broker.stream_groups(view.stream))[0]["pending"] == 0  # both entries acked
 
 
+async def test_one_entry_committed_twice_in_one_script_call_applies_once(broker: Broker, namespace: str) -> None:
+    """A commit repeated for the same entry in the same script call (its acks are sent once, at the
+    call's end): the second finds the entry settled and applies nothing; the call settles each
+    entry, its attempts counter included."""
+    if not isinstance(broker, RedisBroker) or broker.cluster:
+        pytest.skip("the batcher is the Redis broker's")
+    spec = await broker.declare(DestinationSpec("wallet.twice", "command"))
+    [view] = await broker.subscribe(spec, "wallet")
+    await broker.publish([command("wallet.twice", n) for n in range(3)])
+    first, one, other = await broker.read(view, "a", 10, 10)
+    counts = f"{namespace}:{{x}}:counts"
+    for d in (one, other):
+        await broker.count_attempt(d)
+    batcher = broker._commit_batcher()
+    assert batcher is not None
+    batcher.width = 1  # the later commits queue behind the first write and go out together
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for d in (first, one, one, other):
+                tg.start_soon(broker.commit_effects, d, [("HINCRBY", counts, d.message_id, 1)], [counts])
+    assert batcher.calls == 4 and batcher.batches == 2
+    assert await broker.redis.hgetall(counts) == {d.message_id.encode(): b"1" for d in (first, one, other)}
+    assert (await broker.stream_groups(view.stream))[0]["pending"] == 0
+    assert not await broker.redis.hlen(first.source.keys.attempts)
+
+
 async def test_reads_from_many_tasks_share_writes_and_get_their_own_replies(broker: Broker, namespace: str) -> None:
     """Saga steps read their state with ``read_shared``: 200 concurrent reads, each its own reply
     (an error reply raised in its own caller only), in fewer writes than reads."""
