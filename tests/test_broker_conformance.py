@@ -493,15 +493,21 @@ async def test_cancelled_commits_leave_the_shared_writes_working(broker: Broker,
         assert batcher._busy == 0 and not batcher._queue
 
 
+async def _three_for_the_batcher(broker: Broker, destination: str) -> tuple[Any, list[Any]]:
+    """Three commands on ``destination`` read by group ``wallet``: its view and the deliveries
+    (skips where there is no batcher)."""
+    if not isinstance(broker, RedisBroker) or broker.cluster:
+        pytest.skip("the batcher is the Redis broker's")
+    spec = await broker.declare(DestinationSpec(destination, "command"))
+    [view] = await broker.subscribe(spec, "wallet")
+    await broker.publish([command(destination, n) for n in range(3)])
+    return view, await broker.read(view, "a", 10, 10)
+
+
 async def test_a_caller_cancelled_as_it_is_handed_the_next_write_passes_it_on(broker: Broker, namespace: str) -> None:
     """The race the batcher must survive: a waiting caller is handed the next write (a slot) and is
     cancelled before it runs; the callers queued behind it still get through."""
-    if not isinstance(broker, RedisBroker) or broker.cluster:
-        pytest.skip("the batcher is the Redis broker's")
-    spec = await broker.declare(DestinationSpec("wallet.race", "command"))
-    [view] = await broker.subscribe(spec, "wallet")
-    await broker.publish([command("wallet.race", n) for n in range(3)])
-    a, b, c = await broker.read(view, "a", 10, 10)
+    view, (a, b, c) = await _three_for_the_batcher(broker, "wallet.race")
     await broker.inbox_claim(view, [a, b, c], 60_000)
     counts = f"{namespace}:{{x}}:counts"
     batcher = broker._commit_batcher()
@@ -551,15 +557,9 @@ async def test_two_copies_committed_in_one_script_call_apply_once(broker: Broker
 
 
 async def test_one_entry_committed_twice_in_one_script_call_applies_once(broker: Broker, namespace: str) -> None:
-    """A commit repeated for the same entry in the same script call (its acks are sent once, at the
-    call's end): the second finds the entry settled and applies nothing; the call settles each
-    entry, its attempts counter included."""
-    if not isinstance(broker, RedisBroker) or broker.cluster:
-        pytest.skip("the batcher is the Redis broker's")
-    spec = await broker.declare(DestinationSpec("wallet.twice", "command"))
-    [view] = await broker.subscribe(spec, "wallet")
-    await broker.publish([command("wallet.twice", n) for n in range(3)])
-    first, one, other = await broker.read(view, "a", 10, 10)
+    """A commit repeated for the same entry in the same script call: the second finds the entry
+    settled and applies nothing; the call settles each entry, its attempts counter included."""
+    view, (first, one, other) = await _three_for_the_batcher(broker, "wallet.twice")
     counts = f"{namespace}:{{x}}:counts"
     for d in (one, other):
         await broker.count_attempt(d)
