@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,19 @@ def test_partitions_of_a_topic_spread_over_the_nodes(cluster: RunningCluster, ns
     assert all(cluster_client.xlen(s) > 0 for s in streams)
 
 
+def _applied_counts(client: Any, ns: str, queue: str) -> Callable[[], dict[str, int]]:
+    """A reader of the times each job of ``queue`` was applied (clusterapp's per-partition hashes)."""
+    keys = [f"{ns}:test:{{{queue}:{p}}}:applied" for p in range(PARTITIONS)]
+
+    def applied() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key in keys:
+            out.update({k.decode(): int(v) for k, v in client.hgetall(key).items()})
+        return out
+
+    return applied
+
+
 def _move_slot(client: Any, slot: int, target: Any, password: str | None, pause: float) -> int:
     """Reshard one slot to ``target`` the way ``redis-cli --cluster reshard`` does: IMPORTING and
     MIGRATING, keys moved by MIGRATE a few at a time (with ``pause`` between, so commands meet the
@@ -196,13 +209,7 @@ def test_resharding_with_the_workers_stopped_while_producers_publish_loses_and_d
                 sent = start + 100
                 await anyio.sleep(0.05)
 
-    applied_keys = [f"{ns}:test:{{cl.moves:{p}}}:applied" for p in range(PARTITIONS)]
-
-    def applied() -> dict[str, int]:
-        out: dict[str, int] = {}
-        for key in applied_keys:
-            out.update({k.decode(): int(v) for k, v in cluster_client.hgetall(key).items()})
-        return out
+    applied = _applied_counts(cluster_client, ns, "cl.moves")
 
     password = urllib.parse.urlsplit(cluster.url).password
     workers = Workers(env, tmp_path)
@@ -272,13 +279,7 @@ def test_workers_on_a_cluster_lose_nothing_apply_nothing_twice_and_dead_letter_t
 
     anyio.run(send)
     keyspace = KeySpace(ns)
-    applied_keys = [f"{ns}:test:{{cl.jobs:{p}}}:applied" for p in range(PARTITIONS)]
-
-    def applied() -> dict[str, int]:
-        out: dict[str, int] = {}
-        for key in applied_keys:
-            out.update({k.decode(): int(v) for k, v in cluster_client.hgetall(key).items()})
-        return out
+    applied = _applied_counts(cluster_client, ns, "cl.jobs")
 
     dlqs = [keyspace.partition("cl.jobs", p).group("cljobs").dlq for p in range(PARTITIONS)]
     workers = Workers(env, tmp_path)
