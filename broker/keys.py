@@ -56,6 +56,7 @@ window, so whole buckets expire a window after their last write.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import attrs
@@ -70,9 +71,10 @@ INBOX_SLOT_MS = 1 << 20
 """Milliseconds of id time one inbox slot covers (17.5 minutes)."""
 
 
+@functools.lru_cache(maxsize=8192)  # (a message's id is compacted for its inbox check and again at its ack)
 def compact_id(message_id: str) -> bytes:
     """The 16 bytes of a UUIDv7/v8 text id (kept in the inbox's buckets); ``b""`` for any other id
-    (kept in the inbox zset). The same rule as ``inbox_compact`` in ``broker/lua/inbox_store.lua``."""
+    (kept in the inbox zset). The inbox scripts take it from the caller (``broker/lua/inbox_store.lua``)."""
     if len(message_id) != 36 or message_id[14] not in "78":
         return b""
     try:

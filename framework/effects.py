@@ -46,6 +46,12 @@ class RedisEffects:
     def __init__(self) -> None:
         self.commands: list[tuple[Any, ...]] = []
         self.keys: list[str] = []
+        self.applied: list[Callable[[], None]] = []  # run once the commit applied the writes
+
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` in the worker once these writes were applied (not when the message turned out a
+        duplicate, a guard failed, the commit failed or its outcome is unknown)."""
+        self.applied.append(fn)
 
     def call(self, command: str, *args: Any, keys: Sequence[str] | None = None) -> None:
         """Record one write command."""

@@ -27,6 +27,10 @@ What it promises (see ``docs/sagas.md``):
   partition, a paused ex-owner), nothing is written, sent or acked and the step runs again on the
   new state. Conflicts are retried at once and do not count towards the saga's retry policy's
   dead-lettering (up to ``MAX_CONFLICTS`` in a row).
+* **State kept by the worker.** A worker keeps the state it saved last per instance (up to
+  ``STATE_CACHE_SIZE``, each for ``STATE_CACHE_SECONDS``), so the next step of the instance (the
+  partition's owner runs them all) starts without a read. It is guarded like a read: a kept state
+  another process has moved on from conflicts, is dropped, and the step runs again on a fresh read.
 * **Timeouts** (``ctx.request_timeout``) are scheduled messages to the saga's own queue, stored by
   the same atomic commit (the scheduled zset shares the partition's hash tag), so a timeout exists
   only if the state that requested it was saved. A timeout that fires after the saga completed, or
@@ -43,7 +47,9 @@ What it promises (see ``docs/sagas.md``):
 from __future__ import annotations
 
 import functools
+import time
 import typing
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -81,6 +87,12 @@ MAX_CONFLICTS = 100
 """Version conflicts retried at once before the saga's retry policy counts them as failures."""
 
 DEFAULT_KEEP_COMPLETED = timedelta(days=1)
+
+STATE_CACHE_SIZE = 10_000
+"""Instances whose Redis state a worker keeps after saving it (a step of one needs no read first)."""
+
+STATE_CACHE_SECONDS = 30.0
+"""How long a kept state is used (at most half of ``keep_completed``) before it is read again."""
 
 
 class SagaError(Exception):
@@ -308,6 +320,12 @@ class Saga(Generic[S]):
         self._timeout_steps: dict[str, _Step] = {}  # payload type name -> step
         self._retry = _saga_policy(retry or service.retry)
         self._state_decode = decoder_for(state) if isinstance(state, type) else None
+        # Redis state of instances this process saved last: (valid until, version, state, timeouts).
+        # The commit's version guard checks it as it checks a fresh read (a stale entry conflicts
+        # and the step runs again on a fresh read); an entry lives less than keep_completed, so a
+        # completed instance's key cannot expire and climb back to a cached version meanwhile.
+        self._cached: OrderedDict[str, tuple[float, int, bytes, bytes]] = OrderedDict()
+        self._cache_ttl = min(STATE_CACHE_SECONDS, keep / 2)
 
         async def step(body: bytes, ctx: Context) -> None:
             await self._run(body, ctx)
@@ -418,14 +436,37 @@ class Saga(Generic[S]):
 
     async def _run_redis(self, step: _Step, source: str, body: bytes, ctx: Context) -> None:
         key = self.state_key(ctx)
-        # (sent with the other lanes' reads: one write for many steps)
-        version_raw, state_raw, pending_raw, done = await ctx._broker.read_shared("HMGET", key, "v", "s", "t", "done")
-        version = None if version_raw is None else int(version_raw)
+        # The state this process saved last, if recent (taken out: only a commit that applies puts
+        # an entry back, so a conflict, a failure or an unknown outcome reads afresh next time).
+        cached = self._cached.pop(key, None)
+        if cached is not None and cached[0] > time.monotonic():
+            _, version, state_raw, pending_raw = cached
+            done = False
+        else:
+            # (sent with the other lanes' reads: one write for many steps)
+            version_raw, state_raw, pending_raw, done = await ctx._broker.read_shared(
+                "HMGET", key, "v", "s", "t", "done"
+            )
+            version = None if version_raw is None else int(version_raw)
         tx = ctx.redis_transaction()
         tx.expect(key, "v", version)  # what follows is decided on this
         sctx = await self._step(step, source, body, ctx, version, state_raw, pending_raw, bool(done), None)
         if sctx is not None:
             await self._save(ctx, sctx, key, version or 0)
+        elif version is not None and not done:  # ignored: the state stays as it was
+            assert state_raw is not None
+            self._cache_after_commit(tx, key, version, state_raw, pending_raw or b"{}")
+
+    def _cache_after_commit(self, tx: Any, key: str, version: int, state: Any, pending: Any) -> None:
+        """Keep ``key``'s state once the step's commit applied (with the guard passed, it is the stored one)."""
+
+        def keep() -> None:
+            cache = self._cached
+            cache[key] = (time.monotonic() + self._cache_ttl, version, state, pending)
+            if len(cache) > STATE_CACHE_SIZE:
+                cache.popitem(last=False)
+
+        tx.after_commit(keep)
 
     async def _run_sql(self, step: _Step, source: str, body: bytes, ctx: Context) -> None:
         from framework import _saga_sql
@@ -511,7 +552,9 @@ class Saga(Generic[S]):
             tx.call("PEXPIRE", key, self.keep_completed_ms)
             return
         state = orjson.dumps(converter.unstructure(sctx.state))
-        tx.call("HSET", key, "v", new, "s", state, "t", orjson.dumps(sctx._pending))
+        pending = orjson.dumps(sctx._pending)
+        tx.call("HSET", key, "v", new, "s", state, "t", pending)
+        self._cache_after_commit(tx, key, new, state, pending)
         if sctx._timeouts:
             await self._stage_timeouts(ctx, sctx)
 

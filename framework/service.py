@@ -110,7 +110,7 @@ class Handler:
         """The destination's broker spec."""
         return self.destination.spec()
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
         """``service.handler`` for logs and dead letters."""
         return f"{self.service}.{self.name}"

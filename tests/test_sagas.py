@@ -157,6 +157,41 @@ async def test_two_runtimes_on_one_shared_partition_lose_no_update(redis_url: st
     assert sum(s["dead_lettered"] for s in stats) == 0
 
 
+# -- the state a worker keeps after saving it ---------------------------------------------------------
+
+tallies = Service("tallies")
+tally = tallies.saga("tally", state=dict, partitions=1)
+
+
+@tally.command("tally.add", correlate=lambda c: c["k"])
+async def add(cmd: dict, ctx: SagaContext[dict]) -> None:
+    ctx.state["n"] = ctx.state.get("n", 0) + cmd["n"]
+
+
+@pytest.mark.anyio
+async def test_a_kept_state_another_process_moved_on_from_is_read_again(redis_url: str, namespace: str) -> None:
+    """The worker keeps the state it saved, so the next step of that instance skips the read; when
+    another process saved a newer version meanwhile, the kept one fails the version guard, is
+    dropped, and the step runs again on the stored state: no update is lost or applied on a stale one."""
+    async with ServiceHarness([tallies], url=redis_url, namespace=namespace) as h:
+        await h.client.send("tally.add", {"k": "a", "n": 1})
+        await h.run_until_idle()
+        key = f"{h.broker.keyspace.partition(tally.queue.name, 0).stream}:saga:a"
+        assert await h.broker.redis.hget(key, "v") == b"1"
+        # another process's step (the partition's owner before us, say) moves the instance on
+        await h.broker.redis.hset(key, mapping={"v": 7, "s": orjson.dumps({"n": 100})})
+        await h.client.send("tally.add", {"k": "a", "n": 1})
+        await h.run_until_idle()
+        assert orjson.loads(await h.broker.redis.hget(key, "s")) == {"n": 101}
+        assert await h.broker.redis.hget(key, "v") == b"8"
+        stats = h.stats()["tallies.saga_tally"]
+        assert stats["retried"] == 1, stats  # the kept state was used, conflicted once, then read afresh
+        await h.client.send("tally.add", {"k": "a", "n": 1})  # kept again after that commit: no conflict
+        await h.run_until_idle()
+        assert orjson.loads(await h.broker.redis.hget(key, "s")) == {"n": 102}
+        assert h.stats()["tallies.saga_tally"]["retried"] == 1
+
+
 # -- starts=False, cancelled timeouts, sync steps, refused delays ------------------------------------
 
 gates = Service("gates")

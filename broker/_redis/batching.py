@@ -161,8 +161,9 @@ class CommitBatcher(Batcher):
 
     async def call(self, source: tuple[Any, ...], keys: Sequence[Any], part: list[Any]) -> Any:
         """Commit one message: ``source`` = (stream, inbox, attempts, DLQ, lease key, group, delete
-        flag, fencing token), ``keys`` the keys its commands touch, ``part`` its section of ARGV
-        (see ``commit_effects.lua``). Its own result: -1 (fenced), or what the script lists for it."""
+        flag, fencing token, then the reason pairs shared by the call), ``keys`` the keys its
+        commands touch, ``part`` its section of ARGV (see ``commit_effects.lua``). Its own result:
+        -1 (fenced), or what the script lists for it."""
         return await self._submit(source, keys, part)
 
     async def _exchange(self, channel: Channel, batch: list[_Call]) -> None:
@@ -187,7 +188,7 @@ class CommitBatcher(Batcher):
         source = calls[0].source
         keys: list[Any] = list(source[:5])
         extra: dict[Any, None] = {}
-        args: list[Any] = [*source[5:7], now_ms(), source[7], len(calls)]
+        args: list[Any] = [*source[5:7], now_ms(), source[7], len(calls), (len(source) - 8) // 2, *source[8:]]
         for c in calls:
             extra.update(dict.fromkeys(c.keys))
             args += c.part

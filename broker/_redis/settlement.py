@@ -25,7 +25,17 @@ from broker._redis.topology import Topology
 from broker.codec import encode_fields
 from broker.envelope import Envelope, now_ms
 from broker.errors import EffectsConflict, EffectsFailed, LeaseLost
-from broker.headers import DLQ_ERROR_MESSAGE, DLQ_ERROR_TYPE, DLQ_REASON, FIRST_FAILED_AT, IDEMPOTENCY_KEY
+from broker.headers import (
+    DLQ_DESTINATION,
+    DLQ_ERROR_MESSAGE,
+    DLQ_ERROR_TYPE,
+    DLQ_GROUP,
+    DLQ_HANDLER,
+    DLQ_PARTITION,
+    DLQ_REASON,
+    FIRST_FAILED_AT,
+    IDEMPOTENCY_KEY,
+)
 from broker.keys import compact_id
 from broker.protocol import Delivery, GroupPartition
 from broker.topology import DestinationSpec
@@ -34,6 +44,8 @@ from broker.wire import Channel
 __all__ = ["Settlement"]
 
 _SCRIPT_REASON = (DLQ_REASON, DLQ_ERROR_TYPE, DLQ_ERROR_MESSAGE)  # written by commit_effects.lua itself
+# reason fields sent once per commit_effects.lua call (the same for every message of a source)
+_CALL_REASON = frozenset((DLQ_HANDLER, DLQ_DESTINATION, DLQ_PARTITION, DLQ_GROUP))
 
 _FENCED = -1  # what a settle script returns when the caller's fencing token is no longer current
 _CONFLICT = -2  # what commit_effects.lua returns when a guard (RedisEffects.expect) failed
@@ -141,11 +153,15 @@ class Settlement(Topology):
             stream = self._partition_keys(spec.name, partition_of(spec, env, idem)).stream
             out_keys.append(stream)
             calls.append(["XADD", stream, "*", *encode_fields(env)])
-        part: list[Any] = [delivery.entry_id, delivery.message_id, len(commands), len(outgoing), 0]
+        mid = delivery.message_id
+        part: list[Any] = [delivery.entry_id, mid, compact_id(mid), len(commands), len(outgoing), 0]
+        shared: list[str] = []  # (sent once per script call)
         for k, v in reason.items():
-            if k not in _SCRIPT_REASON:
+            if k in _CALL_REASON:
+                shared += (k, v)
+            elif k not in _SCRIPT_REASON:
                 part += (k, v)
-        part[4] = (len(part) - 5) // 2
+        part[5] = (len(part) - 6) // 2
         for c in calls:
             part += (len(c), *c)
         base_keys = (delivery.stream, source.keys.inbox, source.keys.attempts, source.keys.dlq, source.keys.lease)
@@ -153,11 +169,11 @@ class Settlement(Topology):
         fence = _fence(token)
         batcher = self._commit_batcher()
         if batcher is None:  # a Cluster: through the client, alone
-            args = [source.group, delete, now_ms(), fence, 1, *part]
+            args = [source.group, delete, now_ms(), fence, 1, len(shared) // 2, *shared, *part]
             reply = await self.scripts["commit_effects"](self.redis, [*base_keys, *keys, *out_keys], args)
             reply = reply if reply == _FENCED else reply[0]
         else:  # with other tasks' commits of the same source in one script call, one write
-            reply = await batcher.call((*base_keys, source.group, delete, fence), [*keys, *out_keys], part)
+            reply = await batcher.call((*base_keys, source.group, delete, fence, *shared), [*keys, *out_keys], part)
         if reply == _FENCED:
             raise _lost(source)
         if reply == _CONFLICT:

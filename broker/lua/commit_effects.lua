@@ -15,10 +15,14 @@
 -- ARGV[2]  "1" to XDEL each entry after XACK
 -- ARGV[3]  now, Unix ms
 -- ARGV[4]  the caller's fencing token, or '' when the partition is not owned (no check)
--- ARGV[5]  k: number of messages; then for each message:
---   entry id, message id, n (the handler's Redis commands), m (outgoing messages: XADD commands run
---   after the handler's), r (field/value pairs of the dead-letter reason), the 2r reason values,
---   then n + m commands, each: argument count c, then c arguments
+-- ARGV[5]  k: number of messages
+-- ARGV[6]  q: dead-letter reason field/value pairs every message of the call shares (the handler,
+--          destination, partition, group), then the 2q values; then for each message:
+--   entry id, message id, its 16-byte form (broker.keys.compact_id: '' for ids that are not
+--   UUIDv7/v8; computed by the caller, as Lua spends microseconds per id on it), n (the handler's
+--   Redis commands), m (outgoing messages: XADD commands run after the handler's), r (its own
+--   field/value pairs of the dead-letter reason), the 2r reason values, then n + m commands,
+--   each: argument count c, then c arguments
 -- A handler command {'__EXPECT__', key, field, value} (RedisEffects.expect) is a guard, not a write:
 -- before any write of its message, HGET key field must equal value ('' = absent), else nothing is
 -- done for that message and its result is -2 (the entry stays pending; the caller runs the handler
@@ -49,11 +53,12 @@ local k = tonumber(ARGV[5])
 local msgs = {}
 local bins = {}
 do
-  local pos = 6
+  local pos = 7 + 2 * tonumber(ARGV[6])
   for i = 1, k do
-    local e = {entry = ARGV[pos], id = ARGV[pos + 1], n = tonumber(ARGV[pos + 2]), m = tonumber(ARGV[pos + 3]),
-      r = tonumber(ARGV[pos + 4])}
-    e.reason = pos + 5  -- first reason value
+    local e = {entry = ARGV[pos], id = ARGV[pos + 1], n = tonumber(ARGV[pos + 3]), m = tonumber(ARGV[pos + 4]),
+      r = tonumber(ARGV[pos + 5])}
+    bins[i] = ARGV[pos + 2]
+    e.reason = pos + 6  -- first reason value
     e.first = e.reason + 2 * e.r  -- first command's argument count
     pos = e.first
     for j = 1, e.n + e.m do
@@ -67,23 +72,35 @@ do
       pos = pos + c + 1
     end
     msgs[i] = e
-    bins[i] = inbox_compact(e.id)
   end
 end
 local seen = inbox_seen_many(KEYS[2], bins, 1, k)
+-- Every message's inbox zset score (its lease, or a final record for ids that are not UUIDv7/v8)
+-- in one ZMSCORE; the settling writes of all messages go at the end, one variadic call each (the
+-- call is atomic: nothing else runs in between, and a message's own checks only read what no
+-- message of this call writes, except its inbox record, which settled_ids stands for).
+local scores = {}
+do
+  local ids = {}
+  for i = 1, k do ids[i] = msgs[i].id end
+  for first = 1, k, 1000 do
+    local part = redis.call('ZMSCORE', KEYS[2], unpack(ids, first, math.min(first + 999, k)))
+    for j = 1, #part do scores[first + j - 1] = part[j] end
+  end
+end
 local settled_ids = {}  -- message ids applied or acked as duplicates in this call
 local results = {}
+local acks, counters, released, finals = {}, {}, {}, {}
 local function settle(e)
-  redis.call('HDEL', KEYS[3], e.id)
-  redis.call('XACK', KEYS[1], ARGV[1], e.entry)
-  if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], e.entry) end
+  counters[#counters + 1] = e.id
+  acks[#acks + 1] = e.entry
 end
-local function commit(e, bin, was_seen)
+local function commit(e, bin, was_seen, s)
   local pending = redis.call('XPENDING', KEYS[1], ARGV[1], e.entry, e.entry, 1)
   if #pending == 0 then return 0 end
   if e.err then return {'E', e.err} end
-  local s = redis.call('ZSCORE', KEYS[2], e.id)
-  local done = (s and tonumber(s) >= 0) or was_seen or settled_ids[e.id]
+  if s then s = tonumber(s) end
+  local done = (s and s >= 0) or was_seen or settled_ids[e.id]
   if done then
     settle(e)
     return 0
@@ -132,6 +149,7 @@ local function commit(e, bin, was_seen)
       else
         fields = {'dlq-empty', '1'}
       end
+      for x = 7, 6 + 2 * tonumber(ARGV[6]) do fields[#fields + 1] = ARGV[x] end
       for x = e.reason, e.reason + 2 * e.r - 1 do fields[#fields + 1] = ARGV[x] end
       fields[#fields + 1] = 'dlq-reason'
       fields[#fields + 1] = reason
@@ -144,7 +162,7 @@ local function commit(e, bin, was_seen)
         if i == 1 then return {'E', err} end  -- the server refuses writes: nothing written, stays pending
         return redis.error_reply(dead.err)  -- (cannot happen: a write went through just before)
       end
-      if s and tonumber(s) < 0 then redis.call('ZREM', KEYS[2], e.id) end  -- lease released: a redrive runs it
+      if s and s < 0 then released[#released + 1] = e.id end  -- lease released: a redrive runs it
       settle(e)
       return {dead, err, i - 1}
     end
@@ -152,16 +170,31 @@ local function commit(e, bin, was_seen)
   end
   if bin ~= '' then
     inbox_record(KEYS[2], bin)
-    redis.call('ZREM', KEYS[2], e.id)
+    released[#released + 1] = e.id
   else
-    redis.call('ZADD', KEYS[2], ARGV[3], e.id)
+    finals[#finals + 1] = e.id
   end
   settled_ids[e.id] = true
   settle(e)
   return 1
 end
 for i = 1, k do
-  results[i] = commit(msgs[i], bins[i], seen[i])
+  results[i] = commit(msgs[i], bins[i], seen[i], scores[i])
+end
+-- k is at most a few hundred (the runtime sends at most 64 commits a call): one call each.
+if #acks > 0 then
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(acks))
+  if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(acks)) end
+  redis.call('HDEL', KEYS[3], unpack(counters))
+end
+if #released > 0 then redis.call('ZREM', KEYS[2], unpack(released)) end
+if #finals > 0 then
+  local zadd = {}
+  for i, id in ipairs(finals) do
+    zadd[2 * i - 1] = tonumber(ARGV[3]) + i / 1024  -- distinct scores insert faster than ties
+    zadd[2 * i] = id
+  end
+  redis.call('ZADD', KEYS[2], unpack(zadd))
 end
 inbox_flush(KEYS[2])
 return results

@@ -17,6 +17,7 @@ from framework.service import Handler
 __all__ = ["base_reason", "exception_reason", "poison_reason"]
 
 _TRACEBACK_LIMIT = 4000  # characters kept from the end of a traceback
+_FIRST_FAILED_AT = h.FIRST_FAILED_AT.encode()
 
 
 def _trimmed_traceback(exc: BaseException) -> str:
@@ -33,7 +34,8 @@ def base_reason(
     process saw an earlier attempt fail), else now.
     """
     now = str(now_ms())
-    first = d.fields.get(h.FIRST_FAILED_AT.encode())
+    raw = d.raw  # (a retried copy carries the field; no dict of every field on this hot path)
+    first = next((raw[i + 1] for i in range(0, len(raw) - 1, 2) if raw[i] == _FIRST_FAILED_AT), None)
     fields = {
         h.DLQ_ATTEMPTS: str(attempts),
         h.DLQ_HANDLER: handler.label,

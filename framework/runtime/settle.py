@@ -175,6 +175,11 @@ class Settlement:
             if applied:
                 self.stats.processed += 1
                 outcome = Outcome("success", attempt)
+                for fn in effects.applied:
+                    try:
+                        fn()
+                    except Exception as err:  # the writes are committed: the message succeeded all the same
+                        self.log.error("an after_commit callback failed", message_id=d.message_id, exc_info=err)
                 if outgoing and hooks.METRICS:  # published by the same script
                     hooks.count_sent(outgoing)
             else:
