@@ -145,11 +145,12 @@ class GroupState:
 
 @attrs.frozen
 class PartitionState:
-    """One partition stream: its length and its groups."""
+    """One partition stream: its length, its groups, and the messages scheduled for it (not yet due)."""
 
     partition: int
     length: int
     groups: list[GroupState]
+    scheduled: int = 0
 
 
 @attrs.frozen
@@ -164,6 +165,11 @@ class DestinationState:
         """Entries stored over all partitions (for topics: retained, not only unread)."""
         return sum(p.length for p in self.partitions)
 
+    @property
+    def scheduled(self) -> int:
+        """Messages scheduled for the destination and not yet due (``send(..., delay=...)``)."""
+        return sum(p.scheduled for p in self.partitions)
+
     def to_json(self) -> dict[str, Any]:
         """Plain data for ``framework status --json``."""
         return {
@@ -173,6 +179,7 @@ class DestinationState:
             "retention_ms": self.spec.retention_ms,
             "max_length": self.spec.max_length,
             "depth": self.depth,
+            "scheduled": self.scheduled,
             "groups": _group_totals(self),
             "per_partition": [attrs.asdict(p) for p in self.partitions],
         }
@@ -259,15 +266,16 @@ async def describe(broker: RedisBroker, names: list[str] | None = None) -> list[
         groups = sorted({g for d, g in subs if d == spec.name})
         parts = []
         for p in range(spec.partitions):
-            stream = broker.keyspace.partition(spec.name, p).stream
+            pkeys = broker.keyspace.partition(spec.name, p)
             try:
-                length = int(await broker.redis.xlen(stream))
+                length = int(await broker.redis.xlen(pkeys.stream))
             except NoPermissionError:  # an ACL refusal is not "no such stream": say it
                 raise
             except ResponseError:
                 length = 0
+            scheduled = int(await broker.redis.zcard(pkeys.scheduled))
             states = [await _with_lease(broker, broker.group_partition(spec, p, g)) for g in groups]
-            parts.append(PartitionState(p, length, states))
+            parts.append(PartitionState(p, length, states, scheduled))
         out.append(DestinationState(spec, parts))
     return out
 

@@ -246,6 +246,9 @@ def test_schedule_list_show_cancel_with_json(worker_env: dict[str, str], redis_u
     shown = run_cli("schedule", "show", a, "--json", env=worker_env)
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["due_ms"] == rows[0]["due_ms"]
+    status = run_cli("status", "sched.target", "--json", env=worker_env)
+    assert status.returncode == 0, status.stderr
+    assert [(d["name"], d["scheduled"], d["depth"]) for d in json.loads(status.stdout)] == [("sched.target", 2, 0)]
     cancelled = run_cli("schedule", "cancel", a, "--json", env=worker_env)
     assert cancelled.returncode == 0, cancelled.stderr
     assert json.loads(cancelled.stdout) == {"cancelled": [a], "not_scheduled": []}
@@ -258,6 +261,10 @@ def test_schedule_list_show_cancel_with_json(worker_env: dict[str, str], redis_u
     assert bad.returncode == 2 and ">= 0" in bad.stderr
     table = run_cli("schedule", "list", env=worker_env)
     assert table.returncode == 0 and "sched.target" in table.stdout
+    status = run_cli("status", "sched.target", "--json", env=worker_env)
+    assert json.loads(status.stdout)[0]["scheduled"] == 1  # a was cancelled
+    status_table = run_cli("status", env=worker_env)
+    assert status_table.returncode == 0 and "scheduled" in status_table.stdout
 
 
 # -- real processes: racing movers, kills, restarts ------------------------------------------------------

@@ -1,5 +1,8 @@
 """``framework status [DESTINATION ...]``: destinations, partitions, groups, depth, pending and lag.
 
+``scheduled`` counts a destination's messages sent with a delay or a due time and not yet due
+(``framework schedule list`` shows them).
+
 A table on a terminal, ``--json`` for scripts; the figures come from :func:`broker.inspect.describe`.
 The ``inbox`` column is the server memory a group's Redis inbox needs over its whole dedup window
 at its recent rate (bytes per id x ids per second x window); a footer line names every group past
@@ -87,16 +90,35 @@ def _table(states: list[DestinationState], namespace: str) -> Any:
     from rich.table import Table
 
     table = Table(title=f"destinations (namespace {namespace})")
-    cols = ("destination", "kind", "parts", "depth", "group", "consumers", "pending", "lag", "delayed", "dlq", "inbox")
+    cols = (
+        "destination",
+        "kind",
+        "parts",
+        "depth",
+        "scheduled",
+        "group",
+        "consumers",
+        "pending",
+        "lag",
+        "delayed",
+        "dlq",
+        "inbox",
+    )
     for col in cols:
         table.add_column(col, justify="right" if col not in ("destination", "kind", "group") else "left")
     for s in states:
         groups = s.to_json()["groups"] or [None]
         for i, g in enumerate(groups):
             head = (
-                [s.spec.name, "queue" if s.spec.kind == "command" else "topic", str(s.spec.partitions), str(s.depth)]
+                [
+                    s.spec.name,
+                    "queue" if s.spec.kind == "command" else "topic",
+                    str(s.spec.partitions),
+                    str(s.depth),
+                    str(s.scheduled),
+                ]
                 if i == 0
-                else ["", "", "", ""]
+                else ["", "", "", "", ""]
             )
             tail = (
                 [
