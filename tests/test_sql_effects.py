@@ -106,6 +106,52 @@ def test_ten_thousand_increments_under_repeated_worker_kills_count_exactly_ten_t
     assert kills == 10
 
 
+@pytest.mark.fault
+@pytest.mark.slow
+def test_a_worker_paused_past_its_lease_inside_its_transactions_applies_nothing_twice(
+    worker_env: dict[str, str], tmp_path: Path, pg_url: str, redis_url: str, namespace: str
+) -> None:
+    """A worker SIGSTOPped with SQL transactions open (rows written, often the hot row locked) stays
+    stopped past its lease: the other worker takes its partition and runs its messages again (those
+    runs wait on the locks the stopped one holds). Resumed, the stopped worker finds its lease gone
+    (run out on its own clock, or taken over) and drops its in-flight work: its open transactions roll back and free
+    the locks (had one committed first, the other run's commit would find the message's inbox row
+    and roll back; its acks are refused by the fencing check). Nothing waits for ever, every
+    increment lands exactly once and its outgoing message is staged once."""
+    anyio.run(_prepare, pg_url)
+    total = 3000
+    queue = Queue("counter.increment", partitions=2)
+    with SyncClient(redis_url, namespace=namespace) as client:
+        for i in range(0, total, 1000):
+            client.send_many(queue, [{"n": str(n)} for n in range(i, i + 1000)])
+    r = redis.Redis.from_url(redis_url)
+    streams = [f"{namespace}:{{counter.increment:{p}}}" for p in (0, 1)]
+    env = {**worker_env, "DATABASE_URL": pg_url}
+    workers = Workers(env, tmp_path)
+    opts = ("--lease-ttl", "2", "--prefetch", "100", "--concurrency", "16")
+    try:
+        a = workers.start("faultapp:counter", "a", *opts, JOB_SLEEP="0.01")
+        wait_for(lambda: "acquired partitions" in workers.log("a"), 60, "worker a owning the partitions")
+        b = workers.start("faultapp:counter", "b", *opts, JOB_SLEEP="0.01")
+        wait_for(lambda: "acquired partitions" in workers.log("b"), 60, "worker b owning a partition")
+        wait_for(lambda: sum(r.xlen(s) for s in streams) < total - 300, 60, "progress")
+        a.send_signal(signal.SIGSTOP)  # 16 lanes, 10 ms inside each transaction: some are open now
+        time.sleep(6)  # three lease lengths: b owns both partitions and has claimed a's messages
+        a.send_signal(signal.SIGCONT)
+        wait_for(lambda: sum(r.xlen(s) for s in streams) == 0, 300, "every command")
+        wait_for(lambda: "lost ownership of a partition" in workers.log("a"), 30, "a told it lost its partition")
+        for p in (a, b):
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=60) == 0
+    finally:
+        workers.stop_all()
+        r.close()
+    value, rows, distinct, staged = anyio.run(_counts, pg_url)
+    assert value == total, f"counter is {value}, expected {total}"
+    assert rows == distinct == total  # every command's effects exactly once
+    assert staged == total  # and its outgoing message, once
+
+
 def run_counter_under_kills(
     env: dict[str, str],
     tmp_path: Path,
