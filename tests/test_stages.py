@@ -279,3 +279,21 @@ async def test_redis_effects_settle_with_their_own_ack(broker: RedisBroker) -> N
     s, result = await _attempt(broker, RetryPolicy(), with_effects)
     assert result is SETTLED and s.wiring.stats.processed == 1 and s.ledger.held == {}
     assert (await group_state(broker, s.ledger.view)).pending == 0
+
+
+async def test_after_commit_runs_once_the_effects_applied_not_for_a_failed_guard(broker: RedisBroker) -> None:
+    calls: list[int] = []
+    keys: list[str] = []
+
+    async def guarded(job: dict, ctx: Any) -> None:
+        tx = ctx.redis_transaction()
+        key = broker.namespace + ":" + ctx.hash_tag + ":guarded"
+        keys.append(key)
+        tx.expect(key, "v", "1" if ctx.attempt == 1 else None)  # the first run expects a value not there
+        tx.hincrby(key, "n", 1)
+        tx.after_commit(lambda: calls.append(ctx.attempt))
+
+    s, result = await _attempt(broker, RetryPolicy(immediate=1), guarded)
+    assert result is SETTLED and s.wiring.stats.processed == 1
+    assert calls == [2]  # not for the run whose guard failed (nothing applied), once for the one applied
+    assert await broker.redis.hget(keys[-1], "n") == b"1"
