@@ -55,6 +55,24 @@ async def _counts(url: str) -> tuple[int, int, int, int]:
     return int(total), int(rows[0]), int(rows[1]), int(staged)
 
 
+def _load_increments(pg_url: str, redis_url: str, namespace: str, total: int) -> tuple[redis.Redis, list[str]]:
+    """Fresh tables, ``total`` increment commands queued; a client and the queue's partition streams."""
+    anyio.run(_prepare, pg_url)
+    queue = Queue("counter.increment", partitions=2)
+    with SyncClient(redis_url, namespace=namespace) as client:
+        for i in range(0, total, 1000):
+            client.send_many(queue, [{"n": str(n)} for n in range(i, i + 1000)])
+    return redis.Redis.from_url(redis_url), [f"{namespace}:{{counter.increment:{p}}}" for p in (0, 1)]
+
+
+def _assert_each_once(pg_url: str, total: int) -> None:
+    """Every command's effects exactly once: the counter, its rows, its outgoing message in the outbox table."""
+    value, rows, distinct, staged = anyio.run(_counts, pg_url)
+    assert value == total, f"counter is {value}, expected {total}"
+    assert rows == distinct == total
+    assert staged == total
+
+
 @pytest.mark.anyio
 async def test_duplicates_and_failures_leave_sql_effects_applied_once(
     pg_url: str, redis_url: str, namespace: str
@@ -118,14 +136,8 @@ def test_a_worker_paused_past_its_lease_inside_its_transactions_applies_nothing_
     the locks (had one committed first, the other run's commit would find the message's inbox row
     and roll back; its acks are refused by the fencing check). Nothing waits for ever, every
     increment lands exactly once and its outgoing message is staged once."""
-    anyio.run(_prepare, pg_url)
     total = 3000
-    queue = Queue("counter.increment", partitions=2)
-    with SyncClient(redis_url, namespace=namespace) as client:
-        for i in range(0, total, 1000):
-            client.send_many(queue, [{"n": str(n)} for n in range(i, i + 1000)])
-    r = redis.Redis.from_url(redis_url)
-    streams = [f"{namespace}:{{counter.increment:{p}}}" for p in (0, 1)]
+    r, streams = _load_increments(pg_url, redis_url, namespace, total)
     env = {**worker_env, "DATABASE_URL": pg_url}
     workers = Workers(env, tmp_path)
     opts = ("--lease-ttl", "2", "--prefetch", "100", "--concurrency", "16")
@@ -146,10 +158,7 @@ def test_a_worker_paused_past_its_lease_inside_its_transactions_applies_nothing_
     finally:
         workers.stop_all()
         r.close()
-    value, rows, distinct, staged = anyio.run(_counts, pg_url)
-    assert value == total, f"counter is {value}, expected {total}"
-    assert rows == distinct == total  # every command's effects exactly once
-    assert staged == total  # and its outgoing message, once
+    _assert_each_once(pg_url, total)
 
 
 def run_counter_under_kills(
@@ -168,13 +177,7 @@ def run_counter_under_kills(
     """Send ``total`` increments; ``rounds`` times start two counter workers and SIGKILL both once
     they made ``step`` progress; a last worker drains. Asserts every effect landed exactly once
     (counter, rows, outbox rows) and returns how many workers were killed."""
-    anyio.run(_prepare, pg_url)
-    queue = Queue("counter.increment", partitions=2)
-    with SyncClient(redis_url, namespace=namespace) as client:
-        for i in range(0, total, 1000):
-            client.send_many(queue, [{"n": str(n)} for n in range(i, i + 1000)])
-    r = redis.Redis.from_url(redis_url)
-    streams = [f"{namespace}:{{counter.increment:{p}}}" for p in (0, 1)]
+    r, streams = _load_increments(pg_url, redis_url, namespace, total)
     workers = Workers(env, tmp_path)
     opts = ("--visibility-timeout", "1", "--prefetch", "100", "--concurrency", "16", *extra)
     kills = 0
@@ -200,10 +203,7 @@ def run_counter_under_kills(
         assert last.wait(timeout=60) == 0
     finally:
         workers.stop_all()
-    value, rows, distinct, staged = anyio.run(_counts, pg_url)
-    assert value == total, f"counter is {value}, expected {total}"
-    assert rows == distinct == total  # every command's effects exactly once
-    assert staged == total  # and its outgoing message, once, in the outbox table
+    _assert_each_once(pg_url, total)
     return kills
 
 
