@@ -28,9 +28,10 @@ What it promises (see ``docs/sagas.md``):
   new state. Conflicts are retried at once and do not count towards the saga's retry policy's
   dead-lettering (up to ``MAX_CONFLICTS`` in a row).
 * **State kept by the worker.** A worker keeps the state it saved last per instance (up to
-  ``STATE_CACHE_SIZE``, each for ``STATE_CACHE_SECONDS``), so the next step of the instance (the
-  partition's owner runs them all) starts without a read. It is guarded like a read: a kept state
-  another process has moved on from conflicts, is dropped, and the step runs again on a fresh read.
+  ``STATE_CACHE_SIZE`` instances and ``STATE_CACHE_BYTES``, each for ``STATE_CACHE_SECONDS``), so
+  the next step of the instance (the partition's owner runs them all) starts without a read. It is
+  guarded like a read: a kept state another process has moved on from conflicts, is dropped, and
+  the step runs again on a fresh read.
 * **Timeouts** (``ctx.request_timeout``) are scheduled messages to the saga's own queue, stored by
   the same atomic commit (the scheduled zset shares the partition's hash tag), so a timeout exists
   only if the state that requested it was saved. A timeout that fires after the saga completed, or
@@ -90,6 +91,9 @@ DEFAULT_KEEP_COMPLETED = timedelta(days=1)
 
 STATE_CACHE_SIZE = 10_000
 """Instances whose Redis state a worker keeps after saving it (a step of one needs no read first)."""
+
+STATE_CACHE_BYTES = 32 * 2**20
+"""Bytes of kept state (JSON) per saga and worker at most; the least recently saved go first."""
 
 STATE_CACHE_SECONDS = 30.0
 """How long a kept state is used (at most half of ``keep_completed``) before it is read again."""
@@ -325,6 +329,7 @@ class Saga(Generic[S]):
         # and the step runs again on a fresh read); an entry lives less than keep_completed, so a
         # completed instance's key cannot expire and climb back to a cached version meanwhile.
         self._cached: OrderedDict[str, tuple[float, int, bytes, bytes]] = OrderedDict()
+        self._cached_bytes = 0
         self._cache_ttl = min(STATE_CACHE_SECONDS, keep / 2)
 
         async def step(body: bytes, ctx: Context) -> None:
@@ -439,6 +444,8 @@ class Saga(Generic[S]):
         # The state this process saved last, if recent (taken out: only a commit that applies puts
         # an entry back, so a conflict, a failure or an unknown outcome reads afresh next time).
         cached = self._cached.pop(key, None)
+        if cached is not None:
+            self._cached_bytes -= len(cached[2]) + len(cached[3])
         if cached is not None and cached[0] > time.monotonic():
             _, version, state_raw, pending_raw = cached
             done = False
@@ -462,9 +469,14 @@ class Saga(Generic[S]):
 
         def keep() -> None:
             cache = self._cached
+            old = cache.pop(key, None)  # (only if another run of the instance went on meanwhile)
+            if old is not None:
+                self._cached_bytes -= len(old[2]) + len(old[3])
             cache[key] = (time.monotonic() + self._cache_ttl, version, state, pending)
-            if len(cache) > STATE_CACHE_SIZE:
-                cache.popitem(last=False)
+            self._cached_bytes += len(state) + len(pending)
+            while len(cache) > STATE_CACHE_SIZE or self._cached_bytes > STATE_CACHE_BYTES:
+                _, dropped = cache.popitem(last=False)
+                self._cached_bytes -= len(dropped[2]) + len(dropped[3])
 
         tx.after_commit(keep)
 

@@ -192,6 +192,23 @@ async def test_a_kept_state_another_process_moved_on_from_is_read_again(redis_ur
         assert h.stats()["tallies.saga_tally"]["retried"] == 1
 
 
+@pytest.mark.anyio
+async def test_kept_states_stay_within_their_byte_budget(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The least recently saved states go first once the kept JSON passes ``STATE_CACHE_BYTES``."""
+    monkeypatch.setattr("framework.saga.STATE_CACHE_BYTES", 40)  # {"n":1} + {}: 9 bytes an instance
+    tally._cached.clear()
+    tally._cached_bytes = 0
+    async with ServiceHarness([tallies], url=redis_url, namespace=namespace) as h:
+        for k in "abcdefgh":
+            await h.client.send("tally.add", {"k": k, "n": 1})
+            await h.run_until_idle()
+    kept = {key.rsplit(":", 1)[1]: entry for key, entry in tally._cached.items()}
+    assert list(kept) == ["e", "f", "g", "h"]  # 4 x 9 bytes fit in 40, the older ones were dropped
+    assert tally._cached_bytes == sum(len(e[2]) + len(e[3]) for e in kept.values()) == 36
+
+
 # -- starts=False, cancelled timeouts, sync steps, refused delays ------------------------------------
 
 gates = Service("gates")
