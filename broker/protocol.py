@@ -111,6 +111,11 @@ class Delivery:
         it = iter(self.raw)
         return dict(zip(it, it, strict=False))
 
+    def field(self, name: bytes) -> bytes | None:
+        """One field of the entry (its first occurrence), or None: no dict of every field built."""
+        raw = self.raw
+        return next((raw[i + 1] for i in range(0, len(raw) - 1, 2) if raw[i] == name), None)
+
     @property
     def attempt(self) -> int:
         """How many times this message has been attempted, counting retries and redeliveries."""

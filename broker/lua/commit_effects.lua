@@ -79,14 +79,12 @@ local seen = inbox_seen_many(KEYS[2], bins, 1, k)
 -- in one ZMSCORE; the settling writes of all messages go at the end, one variadic call each (the
 -- call is atomic: nothing else runs in between, and a message's own checks only read what no
 -- message of this call writes, except its inbox record, which settled_ids stands for).
-local scores = {}
+-- (k is at most broker._redis.batching.MAX_BATCH, 64: every variadic call below passes its ids at once.)
+local scores
 do
   local ids = {}
   for i = 1, k do ids[i] = msgs[i].id end
-  for first = 1, k, 1000 do
-    local part = redis.call('ZMSCORE', KEYS[2], unpack(ids, first, math.min(first + 999, k)))
-    for j = 1, #part do scores[first + j - 1] = part[j] end
-  end
+  scores = redis.call('ZMSCORE', KEYS[2], unpack(ids))
 end
 local settled_ids = {}  -- message ids applied or acked as duplicates in this call
 local results = {}
@@ -181,7 +179,6 @@ end
 for i = 1, k do
   results[i] = commit(msgs[i], bins[i], seen[i], scores[i])
 end
--- k is at most a few hundred (the runtime sends at most 64 commits a call): one call each.
 if #acks > 0 then
   redis.call('XACK', KEYS[1], ARGV[1], unpack(acks))
   if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(acks)) end

@@ -34,8 +34,7 @@ def base_reason(
     process saw an earlier attempt fail), else now.
     """
     now = str(now_ms())
-    raw = d.raw  # (a retried copy carries the field; no dict of every field on this hot path)
-    first = next((raw[i + 1] for i in range(0, len(raw) - 1, 2) if raw[i] == _FIRST_FAILED_AT), None)
+    first = d.field(_FIRST_FAILED_AT)  # (a retried copy carries it)
     fields = {
         h.DLQ_ATTEMPTS: str(attempts),
         h.DLQ_HANDLER: handler.label,
