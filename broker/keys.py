@@ -58,12 +58,22 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterable
 
 import attrs
 
 from broker.errors import ConfigurationError
 
-__all__ = ["INBOX_SLOT_MS", "GroupKeys", "KeySpace", "PartitionKeys", "compact_id", "inbox_slot"]
+__all__ = [
+    "INBOX_SLOT_MS",
+    "GroupKeys",
+    "KeySpace",
+    "PartitionKeys",
+    "compact_id",
+    "inbox_record",
+    "inbox_records",
+    "inbox_slot",
+]
 
 _NS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -82,6 +92,20 @@ def compact_id(message_id: str) -> bytes:
     except ValueError:  # not hex
         return b""
     return raw if len(raw) == 16 else b""  # (fromhex skips whitespace: 16 bytes only from 32 hex digits)
+
+
+_ZERO_RECORD = bytes(16)
+
+
+def inbox_records(message_ids: Iterable[str]) -> bytes:
+    """The ids' 16-byte inbox records in one string, as the inbox scripts take them: each UUIDv7/v8
+    id's :func:`compact_id`, 16 zero bytes for any other id (kept in the inbox zset)."""
+    return b"".join([compact_id(i) or _ZERO_RECORD for i in message_ids])
+
+
+def inbox_record(message_id: str) -> bytes:
+    """One id's 16-byte inbox record (see :func:`inbox_records`)."""
+    return compact_id(message_id) or _ZERO_RECORD
 
 
 def inbox_slot(time_ms: int) -> str:

@@ -14,7 +14,7 @@ import structlog
 
 from broker import DestinationSpec, Envelope, RedisBroker, connect, now_ms
 from broker.inspect import INBOX_BYTES_PER_ID, describe, inbox_memory
-from broker.keys import INBOX_SLOT_MS, compact_id, inbox_slot
+from broker.keys import INBOX_SLOT_MS, compact_id, inbox_records, inbox_slot
 from broker.protocol import GroupPartition
 from framework import Service
 from framework.cli.status import over_budget
@@ -43,13 +43,13 @@ async def record(broker: RedisBroker, view: GroupPartition, ids: list[str]) -> N
     """Make ``ids`` final the way an ack does (ack.lua; the entry id is a stand-in)."""
     for i in range(0, len(ids), 1000):
         chunk = ids[i : i + 1000]
-        args = [view.group, "0", now_ms(), 1, len(chunk), 0, "0-1", *chunk, *map(compact_id, chunk)]
+        args = [view.group, "0", now_ms(), 1, len(chunk), 0, "0-1", *chunk, inbox_records(chunk)]
         await broker.scripts["ack"](broker.redis, [view.stream, view.keys.inbox, view.keys.attempts], args)
 
 
 async def claim(broker: RedisBroker, view: GroupPartition, ids: list[str], *, window_ms: int = 0) -> list[int]:
     """inbox_claim.lua on message ids alone (first deliveries)."""
-    args = [now_ms(), 60_000, len(ids), window_ms, len(ids), *ids, *map(compact_id, ids)]
+    args = [now_ms(), 60_000, len(ids), window_ms, len(ids), *ids, inbox_records(ids)]
     return [int(x) for x in await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args)]
 
 

@@ -16,7 +16,7 @@ from broker._redis.core import RedisCore, text
 from broker.codec import decode_flat
 from broker.envelope import Envelope, now_ms
 from broker.errors import DecodeError
-from broker.keys import compact_id
+from broker.keys import inbox_records
 from broker.protocol import Delivery, Extension, GroupPartition
 from broker.wire import Channel
 
@@ -225,13 +225,13 @@ class Reading(RedisCore):
         again = [d for d in deliveries if d.delivery_count != 1]
         if not again:  # the common case: one list, statuses in order
             ids = [d.message_id for d in deliveries]
-            args = [now_ms(), lease_ms, len(ids), window_ms, len(ids), *ids, *map(compact_id, ids)]
+            args = [now_ms(), lease_ms, len(ids), window_ms, len(ids), *ids, inbox_records(ids)]
             if channel is not None:
                 return await script.on(channel, keys, args)  # type: ignore[no-any-return]
             return await script(self.redis, keys, args)  # type: ignore[no-any-return]
         first = [d for d in deliveries if d.delivery_count == 1]
         ids = [*(d.message_id for d in first), *(d.message_id for d in again)]
-        args = [now_ms(), lease_ms, len(first), window_ms, len(ids), *ids, *map(compact_id, ids)]
+        args = [now_ms(), lease_ms, len(first), window_ms, len(ids), *ids, inbox_records(ids)]
         reply = await (script.on(channel, keys, args) if channel is not None else script(self.redis, keys, args))
         status = dict(zip((id(d) for d in [*first, *again]), (int(x) for x in reply), strict=True))
         return [status[id(d)] for d in deliveries]

@@ -36,7 +36,7 @@ from broker.headers import (
     FIRST_FAILED_AT,
     IDEMPOTENCY_KEY,
 )
-from broker.keys import compact_id
+from broker.keys import inbox_record, inbox_records
 from broker.protocol import Delivery, GroupPartition
 from broker.topology import DestinationSpec
 from broker.wire import Channel
@@ -102,7 +102,7 @@ class Settlement(Topology):
                     len(counters),
                     *(d.entry_id for d in chunk),
                     *marks,
-                    *map(compact_id, marks),
+                    inbox_records(marks),
                     *counters,
                     fence,
                 ]
@@ -154,7 +154,7 @@ class Settlement(Topology):
             out_keys.append(stream)
             calls.append(["XADD", stream, "*", *encode_fields(env)])
         mid = delivery.message_id
-        part: list[Any] = [delivery.entry_id, mid, compact_id(mid), len(commands), len(outgoing), 0]
+        part: list[Any] = [delivery.entry_id, mid, inbox_record(mid), len(commands), len(outgoing), 0]
         shared: list[str] = []  # (sent once per script call)
         for k, v in reason.items():
             if k in _CALL_REASON:

@@ -14,8 +14,8 @@
 -- ARGV[4]  n, entry ids that follow
 -- ARGV[5]  m, message ids to record in the inbox that follow the entry ids (0 when the inbox is off)
 -- ARGV[6]  k, message ids whose attempt counters to drop, after those
--- ARGV[7 ..]  the n entry ids, the m inbox ids (text), their m 16-byte forms ('' for other ids:
---             broker.keys.compact_id), the k counter ids
+-- ARGV[7 ..]  the n entry ids, the m inbox ids (text), one string of their m 16-byte records
+--             (broker.keys.inbox_records; '' when m is 0), the k counter ids
 -- Returns the number of entries acknowledged, or -1 (nothing done) when the fencing token is not current.
 --#include inbox_store
 local fence = KEYS[4] and ARGV[#ARGV] or ''
@@ -25,22 +25,22 @@ local n, m, k = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 7, 6 + n))
 if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(ARGV, 7, 6 + n)) end
 if m > 0 then
-  local zadd, zrem, now, base = {}, {}, tonumber(ARGV[3]), 6 + n
+  local base, recs = 6 + n, ARGV[7 + n + m]
+  local zadd, zrem, now = {}, {}, tonumber(ARGV[3])
   for i = 1, m do
-    local bin = ARGV[base + m + i]
-    if bin ~= '' then
-      inbox_record(KEYS[2], bin)
+    if string.byte(recs, i * 16 - 9) ~= 0 then  -- (byte 7 of record i, the id's version: 0 in a zero record)
       zrem[#zrem + 1] = ARGV[base + i]
     else
       zadd[#zadd + 1] = now + i / 1024  -- a fraction of a ms apart: distinct scores insert faster than ties
       zadd[#zadd + 1] = ARGV[base + i]
     end
   end
+  inbox_record_all(recs, m)
   inbox_flush(KEYS[2])
   if #zrem > 0 then redis.call('ZREM', KEYS[2], unpack(zrem)) end
   if #zadd > 0 then redis.call('ZADD', KEYS[2], unpack(zadd)) end
 end
 if k > 0 then
-  redis.call('HDEL', KEYS[3], unpack(ARGV, 7 + n + 2 * m, 6 + n + 2 * m + k))
+  redis.call('HDEL', KEYS[3], unpack(ARGV, 8 + n + m, 7 + n + m + k))
 end
 return acked

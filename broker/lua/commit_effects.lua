@@ -18,8 +18,8 @@
 -- ARGV[5]  k: number of messages
 -- ARGV[6]  q: dead-letter reason field/value pairs every message of the call shares (the handler,
 --          destination, partition, group), then the 2q values; then for each message:
---   entry id, message id, its 16-byte form (broker.keys.compact_id: '' for ids that are not
---   UUIDv7/v8; computed by the caller, as Lua spends microseconds per id on it), n (the handler's
+--   entry id, message id, its 16-byte inbox record (broker.keys.inbox_records: 16 zero bytes for
+--   ids that are not UUIDv7/v8; computed by the caller, as Lua spends microseconds per id on it), n (the handler's
 --   Redis commands), m (outgoing messages: XADD commands run after the handler's), r (its own
 --   field/value pairs of the dead-letter reason), the 2r reason values, then n + m commands,
 --   each: argument count c, then c arguments
@@ -74,7 +74,7 @@ do
     msgs[i] = e
   end
 end
-local seen = inbox_seen_many(KEYS[2], bins, 1, k)
+local seen = inbox_seen_many(KEYS[2], table.concat(bins), k)
 -- Every message's inbox zset score (its lease, or a final record for ids that are not UUIDv7/v8)
 -- in one ZMSCORE; the settling writes of all messages go at the end, one variadic call each (the
 -- call is atomic: nothing else runs in between, and a message's own checks only read what no
@@ -166,8 +166,8 @@ local function commit(e, bin, was_seen, s)
     end
     pos = pos + c + 1
   end
-  if bin ~= '' then
-    inbox_record(KEYS[2], bin)
+  if string.byte(bin, 7) ~= 0 then  -- a UUIDv7/v8 id (a zero record: any other id, kept in the zset)
+    inbox_record(bin)
     released[#released + 1] = e.id
   else
     finals[#finals + 1] = e.id

@@ -13,7 +13,7 @@
 --          0 leaves it as it is)
 -- ARGV[5]  c, the number of ids
 -- ARGV[6 .. 5+c]      message ids (text), first deliveries first
--- ARGV[6+c .. 5+2c]   the same ids' 16-byte form (broker.keys.compact_id), '' for other ids
+-- ARGV[6+c]           the same ids' 16-byte records, in one string (broker.keys.inbox_records)
 -- Returns one status per id, in order: 0 = leased to the caller (run it), 1 = already processed
 -- (a duplicate: ack it without running), 2 = being processed elsewhere under a live lease.
 -- One ZMSCORE and one variadic ZADD per 1000 ids (not one call per id) keep the cost per message low;
@@ -35,7 +35,7 @@ for first = 6, 5 + c, CHUNK do
   local part = redis.call('ZMSCORE', KEYS[1], unpack(ARGV, first, math.min(first + CHUNK - 1, 5 + c)))
   for j = 1, #part do scores[first - 6 + j] = part[j] end
 end
-local seen = inbox_seen_many(KEYS[1], ARGV, 6 + c, c)
+local seen = inbox_seen_many(KEYS[1], ARGV[6 + c], c)
 local out, zadd, taken = {}, {}, {}
 local z = 0
 for i = 1, c do

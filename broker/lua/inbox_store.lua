@@ -32,13 +32,24 @@ local INBOX_REGIMES = 16        -- at most this many span changes in one slot
 local INBOX_DEFAULT_WINDOW = 7 * 24 * 3600 * 1000
 
 local inbox_metas = {}    -- slot number -> {key, r = {{t, s}, ...}, n, h, dirty} or false
-local inbox_pending = {}  -- 16-byte ids to record (inbox_record), written by inbox_flush
+local inbox_pt, inbox_pf = {}, {}  -- ids to record (inbox_record): their times, their 13-byte fields
 
--- The scripts take each id's 16-byte form from the caller (broker.keys.compact_id: '' for ids that are
--- not UUIDv7/v8, kept in the zset): deriving it in Lua costs several microseconds of server time per id.
+-- The scripts take the ids' 16-byte forms from the caller as one string of 16-byte records
+-- (broker.keys.inbox_records: 16 zero bytes for ids that are not UUIDv7/v8, kept in the zset):
+-- deriving them in Lua, or taking one argument per id, costs microseconds of server time per id.
+-- The loops below do per id only what cannot be done per bucket: its time, two comparisons with
+-- the span of the bucket the ids before it fell in (ids are time-ordered: runs share a bucket),
+-- and its 13-byte field.
 
-local function inbox_time(bin)  -- the id's 48-bit Unix ms (exact in a Lua number)
-  local a, b, c, d, e, f = string.byte(bin, 1, 6)
+local INBOX_POW = {}  -- 2^S, S = 0..20
+for i = 0, 20 do INBOX_POW[i] = 2 ^ i end
+
+-- The id time (48-bit Unix ms, exact in a Lua number) of the record at offset o (0-based) of a
+-- string of 16-byte records, or nil for a zero record (an id that is not UUIDv7/v8: its 7th byte,
+-- the version, is never 0 otherwise).
+local function inbox_t(recs, o)
+  local a, b, c, d, e, f, v = string.byte(recs, o + 1, o + 7)
+  if v == 0 then return nil end
   return ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f
 end
 
@@ -73,68 +84,92 @@ local function inbox_shift(m, t)
   return r[i][2], r[i][1]
 end
 
-local INBOX_POW = {}  -- 2^S, S = 0..20
-for i = 0, 20 do INBOX_POW[i] = 2 ^ i end
-
--- The group of bucket (s, t) in groups[s][k] (k = t >> s), made with make() the first time and
--- appended to order; the bucket's key is formatted once per group, not once per id.
-local function inbox_group(groups, order, base, s, t, make)
-  local k = math.floor(t / INBOX_POW[s])
-  local gs = groups[s]
-  if not gs then
-    gs = {}
-    groups[s] = gs
-  end
-  local g = gs[k]
-  if not g then
-    g = make(s, t)
-    g.key = base .. ':b:' .. s .. ':' .. string.format('%x', k)
-    gs[k] = g
-    order[#order + 1] = g
-  end
-  return g
+-- The bucket of id time t under the slot's regimes: its key, its shift S, and the span [lo, hi)
+-- of id times that fall in it (the bucket's own span cut by the regimes' bounds).
+local function inbox_bucket(base, m, t)
+  local r = m.r
+  local i = 1
+  while r[i + 1] and r[i + 1][1] <= t do i = i + 1 end
+  local s = r[i][2]
+  local unit = INBOX_POW[s]
+  local k = math.floor(t / unit)
+  local lo, hi = k * unit, (k + 1) * unit
+  if r[i][1] > lo then lo = r[i][1] end
+  if r[i + 1] and r[i + 1][1] < hi then hi = r[i + 1][1] end
+  return base .. ':b:' .. s .. ':' .. string.format('%x', k), s, lo, hi
 end
 
-local function inbox_new_lookup() return {fields = {}, idx = {}} end
-local function inbox_new_bucket(s, t) return {args = {}, s = s, lo = t, t = t} end
-
--- Which of the ids are recorded as processed. bins[first .. first+count-1] are 16-byte ids ('' for
--- ids kept in the zset, reported false); returns a table of booleans 1..count. One HMGET of the
--- slot's info and one HMGET per bucket touched.
-local function inbox_seen_many(base, bins, first, count)
-  local seen, groups, order = {}, {}, {}
+-- Which of the count ids whose records recs holds are recorded as processed: a table of booleans
+-- 1..count (false for zero records). One HMGET of the info of each slot touched and one HMGET
+-- per bucket.
+local function inbox_seen_many(base, recs, count)
+  local seen, order, groups = {}, {}, {}
+  local lo, hi, g = 0, -1, nil  -- the span the previous id's bucket covers (g false: no records there)
   for i = 1, count do
     seen[i] = false
-    local bin = bins[first + i - 1]
-    if bin ~= '' then
-      local t = inbox_time(bin)
-      local m = inbox_meta(base, math.floor(t / INBOX_SLOT))
-      if m then
-        local g = inbox_group(groups, order, base, (inbox_shift(m, t)), t, inbox_new_lookup)
-        g.fields[#g.fields + 1] = string.sub(bin, 4)
-        g.idx[#g.idx + 1] = i
+    local o = (i - 1) * 16
+    local t = inbox_t(recs, o)
+    if t then
+      if t < lo or t >= hi then
+        local slot = math.floor(t / INBOX_SLOT)
+        local m = inbox_meta(base, slot)
+        if m then
+          local key, _s
+          key, _s, lo, hi = inbox_bucket(base, m, t)
+          g = groups[key]
+          if not g then
+            g = {key = key, fields = {}, idx = {}, n = 0}
+            groups[key] = g
+            order[#order + 1] = g
+          end
+        else  -- a slot nothing was recorded in
+          g = false
+          lo, hi = slot * INBOX_SLOT, (slot + 1) * INBOX_SLOT
+        end
+      end
+      if g then
+        local n = g.n + 1
+        g.n = n
+        g.fields[n] = string.sub(recs, o + 4, o + 16)
+        g.idx[n] = i
       end
     end
   end
-  for _, g in ipairs(order) do
-    for from = 1, #g.fields, 1000 do
-      local to = math.min(from + 999, #g.fields)
-      local got = redis.call('HMGET', g.key, unpack(g.fields, from, to))
+  for _, grp in ipairs(order) do
+    for from = 1, grp.n, 1000 do
+      local to = math.min(from + 999, grp.n)
+      local got = redis.call('HMGET', grp.key, unpack(grp.fields, from, to))
       for j = 1, #got do
-        if got[j] then seen[g.idx[from + j - 1]] = true end
+        if got[j] then seen[grp.idx[from + j - 1]] = true end
       end
     end
   end
   return seen
 end
 
-local function inbox_seen(base, bin)
-  return inbox_seen_many(base, {bin}, 1, 1)[1]
+-- Queue the id of a 16-byte record (a zero record is ignored); inbox_flush writes the queued ids.
+local function inbox_record(rec)
+  local t = inbox_t(rec, 0)
+  if t then
+    local n = #inbox_pt + 1
+    inbox_pt[n] = t
+    inbox_pf[n] = string.sub(rec, 4)
+  end
 end
 
--- Queue a 16-byte id to record as processed; inbox_flush writes the queued ids.
-local function inbox_record(base, bin)
-  inbox_pending[#inbox_pending + 1] = bin
+-- Queue every id of a string of count 16-byte records (zero records are ignored).
+local function inbox_record_all(recs, count)
+  local pt, pf = inbox_pt, inbox_pf
+  local n = #pt
+  for i = 0, count - 1 do
+    local o = i * 16
+    local t = inbox_t(recs, o)
+    if t then
+      n = n + 1
+      pt[n] = t
+      pf[n] = string.sub(recs, o + 4, o + 16)
+    end
+  end
 end
 
 -- Start a regime with shift s for ids above every id recorded so far (m.h): ids already written
@@ -158,32 +193,38 @@ end
 -- Record the queued ids: per slot, its info; per bucket, one HSET (ids a bucket already holds are
 -- no-ops), an HLEN when something was added, its expiry set to the window.
 local function inbox_flush(base)
-  if #inbox_pending == 0 then return end
+  local pt, pf = inbox_pt, inbox_pf
+  if #pt == 0 then return end
+  inbox_pt, inbox_pf = {}, {}
   local window = tonumber(redis.call('HGET', base .. ':info', 'window')) or INBOX_DEFAULT_WINDOW
   local slots, sorder = {}, {}
-  for _, bin in ipairs(inbox_pending) do
-    local t = inbox_time(bin)
-    local slot = math.floor(t / INBOX_SLOT)
-    local g = slots[slot]
-    if not g then
-      g = {bins = {}, ts = {}, lo = t, hi = t}
-      slots[slot] = g
-      sorder[#sorder + 1] = slot
+  local slo, shi, g = 0, -1, nil  -- the span of the previous id's slot, and its group
+  for i = 1, #pt do
+    local t = pt[i]
+    if t < slo or t >= shi then
+      local slot = math.floor(t / INBOX_SLOT)
+      slo, shi = slot * INBOX_SLOT, (slot + 1) * INBOX_SLOT
+      g = slots[slot]
+      if not g then
+        g = {fs = {}, ts = {}, n = 0, lo = t, hi = t}
+        slots[slot] = g
+        sorder[#sorder + 1] = slot
+      end
     end
-    g.bins[#g.bins + 1] = bin
-    g.ts[#g.ts + 1] = t
-    if t < g.lo then g.lo = t end
-    if t > g.hi then g.hi = t end
+    local n = g.n + 1
+    g.n = n
+    g.fs[n] = pf[i]
+    g.ts[n] = t
+    if t < g.lo then g.lo = t elseif t > g.hi then g.hi = t end
   end
-  inbox_pending = {}
   for _, slot in ipairs(sorder) do
-    local g = slots[slot]
+    g = slots[slot]
     local m = inbox_meta(base, slot)
     if not m then  -- the slot's first record: choose its buckets' span
       local rate = 0  -- ids per ms: the previous slot's, or this call's if higher
       local prev = tonumber(redis.call('HGET', base .. ':' .. string.format('%07x', slot - 1), 'n'))
       if prev then rate = prev / INBOX_SLOT end
-      if #g.ts >= 16 then rate = math.max(rate, #g.ts / (g.hi - g.lo + 1)) end
+      if g.n >= 16 then rate = math.max(rate, g.n / (g.hi - g.lo + 1)) end
       local s = INBOX_DEFAULT_SHIFT
       if rate > 0 then s = inbox_shift_for(rate) end
       m = {key = base .. ':' .. string.format('%07x', slot), r = {{0, s}}, n = 0, h = 0, f = g.lo, dirty = true}
@@ -192,19 +233,31 @@ local function inbox_flush(base)
     -- Group the ids by bucket; a bucket this call alone would overflow starts a regime of smaller
     -- buckets above every id recorded before (m.h), and the ids are grouped again.
     local buckets, border
+    local ts, fs = g.ts, g.fs
     for _ = 1, 4 do
       buckets, border = {}, {}
-      for i = 1, #g.bins do
-        local t = g.ts[i]
-        local b = inbox_group(buckets, border, base, (inbox_shift(m, t)), t, inbox_new_bucket)
-        b.args[#b.args + 1] = string.sub(g.bins[i], 4)
-        b.args[#b.args + 1] = 1
-        if t > b.t then b.t = t end
-        if t < b.lo then b.lo = t end
+      local lo, hi, b = 0, -1, nil  -- the span of the previous id's bucket, and the bucket
+      for i = 1, g.n do
+        local t = ts[i]
+        if t < lo or t >= hi then
+          local key, s
+          key, s, lo, hi = inbox_bucket(base, m, t)
+          b = buckets[key]
+          if not b then
+            b = {key = key, args = {}, c = 0, s = s, lo = t, t = t}
+            buckets[key] = b
+            border[#border + 1] = b
+          end
+        end
+        local c = b.c
+        b.args[c + 1] = fs[i]
+        b.args[c + 2] = '1'
+        b.c = c + 2
+        if t > b.t then b.t = t elseif t < b.lo then b.lo = t end
       end
       local split = false
       for _, b in ipairs(border) do
-        local count = #b.args / 2
+        local count = b.c / 2
         if count > INBOX_MAX and b.s > 0 then
           local before = #m.r
           local rate = math.max(count / 2 ^ b.s, count / (b.t - b.lo + 1))
@@ -219,8 +272,8 @@ local function inbox_flush(base)
     for _, b in ipairs(border) do
       local key = b.key
       local added = 0
-      for from = 1, #b.args, 2000 do
-        added = added + redis.call('HSET', key, unpack(b.args, from, math.min(from + 1999, #b.args)))
+      for from = 1, b.c, 2000 do
+        added = added + redis.call('HSET', key, unpack(b.args, from, math.min(from + 1999, b.c)))
       end
       redis.call('PEXPIRE', key, window)
       if added > 0 then
