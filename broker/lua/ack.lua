@@ -26,19 +26,23 @@ local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 7, 6 + n))
 if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(ARGV, 7, 6 + n)) end
 if m > 0 then
   local base, recs = 6 + n, ARGV[7 + n + m]
-  local zadd, zrem, now = {}, {}, tonumber(ARGV[3])
-  for i = 1, m do
-    if string.byte(recs, i * 16 - 9) ~= 0 then  -- (byte 7 of record i, the id's version: 0 in a zero record)
-      zrem[#zrem + 1] = ARGV[base + i]
-    else
-      zadd[#zadd + 1] = now + i / 1024  -- a fraction of a ms apart: distinct scores insert faster than ties
-      zadd[#zadd + 1] = ARGV[base + i]
-    end
-  end
   inbox_record_all(recs, m)
   inbox_flush(KEYS[2])
-  if #zrem > 0 then redis.call('ZREM', KEYS[2], unpack(zrem)) end
-  if #zadd > 0 then redis.call('ZADD', KEYS[2], unpack(zadd)) end
+  if not string.find(recs, INBOX_ZERO, 1, true) then  -- every id a UUIDv7/v8 (the common case): no loop
+    redis.call('ZREM', KEYS[2], unpack(ARGV, base + 1, base + m))  -- their leases
+  else
+    local zadd, zrem, now = {}, {}, tonumber(ARGV[3])
+    for i = 1, m do
+      if string.byte(recs, i * 16 - 9) ~= 0 then  -- (byte 7 of record i, the id's version: 0 in a zero record)
+        zrem[#zrem + 1] = ARGV[base + i]
+      else
+        zadd[#zadd + 1] = now + i / 1024  -- a fraction of a ms apart: distinct scores insert faster than ties
+        zadd[#zadd + 1] = ARGV[base + i]
+      end
+    end
+    if #zrem > 0 then redis.call('ZREM', KEYS[2], unpack(zrem)) end
+    if #zadd > 0 then redis.call('ZADD', KEYS[2], unpack(zadd)) end
+  end
 end
 if k > 0 then
   redis.call('HDEL', KEYS[3], unpack(ARGV, 8 + n + m, 7 + n + m + k))

@@ -41,6 +41,7 @@ local inbox_pt, inbox_pf = {}, {}  -- ids to record (inbox_record): their times,
 -- the span of the bucket the ids before it fell in (ids are time-ordered: runs share a bucket),
 -- and its 13-byte field.
 
+local INBOX_ZERO = string.rep('\0', 16)  -- the record of an id that is not UUIDv7/v8 (see inbox_t)
 local INBOX_POW = {}  -- 2^S, S = 0..20
 for i = 0, 20 do INBOX_POW[i] = 2 ^ i end
 
