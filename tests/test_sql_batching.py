@@ -530,7 +530,9 @@ async def test_under_a_steady_trickle_a_finished_transaction_stays_open_for_the_
     rows, inbox = await _rows(pg_url)
     assert rows == {str(n) for n in range(300)} and inbox == {f"m-{n}" for n in range(300)}
     assert committer.members == 300
-    assert committer.commits < 300 / 3, f"{committer.commits} commits for 300 blocks: nothing lingered"
+    # without lingering each block commits alone (about 300 commits); with it, a few blocks share
+    # each (about 3 to 20 on a loaded CI machine, whose sleeps stretch the spacing)
+    assert committer.commits < 300 / 2, f"{committer.commits} commits for 300 blocks: nothing lingered"
     bound = wait + 0.001 + 0.15  # + the block running on the link, a commit and a loaded machine
     assert max(waits) <= bound, f"a block waited {max(waits) * 1000:.0f} ms for its commit (bound {bound * 1000:.0f})"
 
