@@ -104,7 +104,7 @@ def inbox_records(message_ids: Sequence[str]) -> bytes:
     # id 36 characters with its dashes in place and version 7 or 8 gives exactly compact_id's bytes.
     if (
         n
-        and len(joined) == 36 * n
+        and set(map(len, message_ids)) == {36}
         and joined.count("-") == 4 * n
         and joined[8::36].count("-") == n
         and joined[13::36].count("-") == n

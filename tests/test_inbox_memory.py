@@ -13,8 +13,9 @@ import pytest
 import structlog
 
 from broker import DestinationSpec, Envelope, RedisBroker, connect, now_ms
+from broker.ids import derive_id, new_id
 from broker.inspect import INBOX_BYTES_PER_ID, describe, inbox_memory
-from broker.keys import INBOX_SLOT_MS, compact_id, inbox_records, inbox_slot
+from broker.keys import INBOX_SLOT_MS, compact_id, inbox_record, inbox_records, inbox_slot
 from broker.protocol import GroupPartition
 from framework import Service
 from framework.cli.status import over_budget
@@ -78,6 +79,29 @@ async def test_compact_ids_follow_the_scripts_rule(broker: RedisBroker) -> None:
     assert await broker.commit_effects(d2, [], []) is True
     assert await claim(broker, view, [other]) == [1]  # the Lua-made record, found by the Python-made form
     assert await broker.redis.zscore(view.keys.inbox, other) is None  # its lease went with the commit
+
+
+def test_a_batch_of_ids_gives_the_records_each_id_gives_alone() -> None:
+    """The scripts take a batch's records from inbox_records (a fast path for the framework's own
+    ids) and a commit's from inbox_record: the same id must give the same record either way, or
+    a message recorded by one would not be found by the other."""
+    own = [new_id() for _ in range(5)] + [derive_id(new_id(), "x") for _ in range(5)]
+    a, b = own[0], own[1]
+    odd = [
+        "order-7",
+        "0" * 36,
+        "0190a3f0-0000-4000-8000-000000000000",  # a UUIDv4
+        "0190a3f0-0000-7000-8000-00000000000g",  # not hex
+        a.upper(),
+        a[:35] + " ",
+        a.replace("-", "") + "----",
+        a[:8] + a[9] + "-" + a[10:],  # a dash out of place
+        a[:-1],  # 35 and 37 characters: 72 together
+        b + "0",
+    ]
+    for batch in [own, *([*own[:3], x, *own[3:]] for x in odd), odd, [a[:-1], b + "0"]]:
+        assert inbox_records(batch) == b"".join(inbox_record(i) for i in batch), batch
+    assert inbox_records(own) == b"".join(compact_id(i) for i in own)
 
 
 async def test_a_remembered_id_costs_at_most_32_bytes_in_compact_buckets(broker: RedisBroker) -> None:
