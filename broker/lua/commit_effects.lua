@@ -167,7 +167,7 @@ local function commit(e, bin, was_seen, s)
     pos = pos + c + 1
   end
   if string.byte(bin, 7) ~= 0 then  -- a UUIDv7/v8 id (a zero record: any other id, kept in the zset)
-    inbox_record(bin)
+    inbox_record_all(bin, 1)
     released[#released + 1] = e.id
   else
     finals[#finals + 1] = e.id

@@ -32,7 +32,7 @@ local INBOX_REGIMES = 16        -- at most this many span changes in one slot
 local INBOX_DEFAULT_WINDOW = 7 * 24 * 3600 * 1000
 
 local inbox_metas = {}    -- slot number -> {key, r = {{t, s}, ...}, n, h, dirty} or false
-local inbox_pt, inbox_pf = {}, {}  -- ids to record (inbox_record): their times, their 13-byte fields
+local inbox_pt, inbox_pf = {}, {}  -- ids to record (inbox_record_all): their times, their 13-byte fields
 
 -- The scripts take the ids' 16-byte forms from the caller as one string of 16-byte records
 -- (broker.keys.inbox_records: 16 zero bytes for ids that are not UUIDv7/v8, kept in the zset):
@@ -77,20 +77,25 @@ local function inbox_meta(base, slot)
   return m
 end
 
--- The regime id time t falls in: its shift S and the id time it starts at.
-local function inbox_shift(m, t)
+-- The index in m.r of the regime id time t falls in.
+local function inbox_regime_at(m, t)
   local r = m.r
   local i = 1
   while r[i + 1] and r[i + 1][1] <= t do i = i + 1 end
-  return r[i][2], r[i][1]
+  return i
+end
+
+-- The regime id time t falls in: its shift S and the id time it starts at.
+local function inbox_shift(m, t)
+  local r = m.r[inbox_regime_at(m, t)]
+  return r[2], r[1]
 end
 
 -- The bucket of id time t under the slot's regimes: its key, its shift S, and the span [lo, hi)
 -- of id times that fall in it (the bucket's own span cut by the regimes' bounds).
 local function inbox_bucket(base, m, t)
   local r = m.r
-  local i = 1
-  while r[i + 1] and r[i + 1][1] <= t do i = i + 1 end
+  local i = inbox_regime_at(m, t)
   local s = r[i][2]
   local unit = INBOX_POW[s]
   local k = math.floor(t / unit)
@@ -148,17 +153,8 @@ local function inbox_seen_many(base, recs, count)
   return seen
 end
 
--- Queue the id of a 16-byte record (a zero record is ignored); inbox_flush writes the queued ids.
-local function inbox_record(rec)
-  local t = inbox_t(rec, 0)
-  if t then
-    local n = #inbox_pt + 1
-    inbox_pt[n] = t
-    inbox_pf[n] = string.sub(rec, 4)
-  end
-end
-
--- Queue every id of a string of count 16-byte records (zero records are ignored).
+-- Queue every id of a string of count 16-byte records (zero records are ignored); inbox_flush
+-- writes the queued ids.
 local function inbox_record_all(recs, count)
   local pt, pf = inbox_pt, inbox_pf
   local n = #pt
