@@ -9,22 +9,14 @@ that no key runs in two instances at once.
 
 from __future__ import annotations
 
-import itertools
-import json
-import random
-import signal
-import time
-
 import anyio
 import orjson
 import pytest
-import redis
 
 from broker import ConfigurationError, DestinationSpec, Envelope, LeaseLost, RedisBroker
-from framework import Queue, SyncClient
 from framework.runtime.ownership import assign
-from tests.conftest import run_cli
-from tests.workers import Workers, wait_for
+from tests.ordered_workload import run_ordered_workload
+from tests.workers import Workers
 
 # -- assignment -------------------------------------------------------------------------------------
 
@@ -131,158 +123,13 @@ async def test_changing_the_partition_count_of_a_live_destination_is_refused(bro
 
 # -- end to end: worker processes under faults -------------------------------------------------------
 
-KEYS = 100
-LEASE_TTL = "2"  # seconds: kills move partitions within about this plus a heartbeat
-NAMES = ("w0", "w1", "w2")
-SEQ = Queue("owner.seq", partitions=8)  # as declared by tests/apps/ownerapp.py
-
-
-def _partition_owners(r: redis.Redis, namespace: str) -> dict[int, str]:
-    out = {}
-    for p in range(8):
-        owner = r.hget(f"{namespace}:{{owner.seq:{p}}}:g:owner:lease", "owner")
-        out[p] = owner.decode() if owner else ""
-    return out
-
-
-def _last_runner(r: redis.Redis, namespace: str) -> dict[int, tuple[str, int]]:
-    out = {}
-    for p, v in r.hgetall(f"{namespace}:t:last").items():
-        pid, at = v.decode().split(":")
-        out[int(p)] = (pid, int(at))
-    return out
-
-
-def _settled(r: redis.Redis, namespace: str) -> bool:
-    for p in range(8):
-        stream = f"{namespace}:{{owner.seq:{p}}}"
-        for s in (stream, f"{stream}:g:owner:redeliver"):
-            for g in r.xinfo_groups(s):
-                if g["pending"] or g.get("lag"):
-                    return False
-        if r.zcard(f"{stream}:g:owner:delayed"):
-            return False
-    return True
-
 
 @pytest.mark.slow
 @pytest.mark.fault
 def test_keys_keep_their_order_across_workers_killed_restarted_and_paused(
     workers: Workers, redis_url: str, namespace: str
 ) -> None:
-    """3 workers, 8 partitions, 100 keys, 6,000 messages sent over about 20 s while workers are
-    SIGKILLed and restarted at random and one is SIGSTOPped past its lease, then resumed."""
-    rng = random.Random(12)
-    r = redis.Redis.from_url(redis_url)
-    opts = ("--prefetch", "50", "--concurrency", "16", "--shutdown-timeout", "5")
-    env = {"FRAMEWORK_LEASE_TTL": LEASE_TTL, "FRAMEWORK_OWNERSHIP": "partitioned"}
-    procs = {name: workers.start("ownerapp:owner", name, *opts, **env) for name in NAMES}
-    pids = [(name, p.pid) for name, p in procs.items()]  # every process run, for the failure messages
-    seq = dict.fromkeys(range(KEYS), 0)
-    sent = 0
-    moves: list[float] = []
-    events = {8: "kill", 20: "kill", 32: "stop", 46: "kill"}
-    paused: tuple[str, float] | None = None
-    stopped = ("", 0.0)
-    resumed_at = 0.0  # wall time of the SIGCONT
-    paused_pid = ""
-
-    def send(client: SyncClient, n: int) -> None:
-        nonlocal sent
-        batch = []
-        for _ in range(n):
-            k = rng.randrange(KEYS)
-            batch.append({"k": f"k{k}", "s": seq[k]})
-            seq[k] += 1
-        client.send_many(SEQ, batch, key=lambda m: m["k"])
-        sent += n
-
-    with SyncClient(redis_url, namespace=namespace) as client:
-        wait_for(lambda: len(set(_partition_owners(r, namespace).values()) - {""}) == 3, 30, "3 owners")
-        for rnd in range(60):  # 100 messages a round, a round every ~0.33 s, plus those sent after kills
-            send(client, 100)
-            action = events.get(rnd)
-            if action == "kill":
-                owners = _partition_owners(r, namespace)
-                name = rng.choice([n for n in NAMES if paused is None or n != paused[0]])
-                theirs = [p for p, o in owners.items() if o == name]  # (none when it has just restarted)
-                pid = str(procs[name].pid)
-                procs[name].send_signal(signal.SIGKILL)
-                procs[name].wait()
-                killed_at = time.time()
-
-                def moved(theirs: list[int] = theirs, pid: str = pid, killed_at: float = killed_at) -> bool:
-                    last = _last_runner(r, namespace)
-                    return all(p in last and last[p][0] != pid and last[p][1] / 1000 > killed_at for p in theirs)
-
-                # keep sending while waiting: a moved partition shows up as applications by another pid
-                deadline = time.monotonic() + 30
-                while not moved() and time.monotonic() < deadline:
-                    send(client, 20)
-                    time.sleep(0.05)
-                assert moved(), f"partitions {theirs} of killed {name} did not run elsewhere within 30 s"
-                if theirs:
-                    moves.append(time.time() - killed_at)
-                procs[name] = workers.start("ownerapp:owner", name, *opts, **env)
-                pids.append((name, procs[name].pid))
-            elif action == "stop":
-                name = rng.choice(NAMES)
-                procs[name].send_signal(signal.SIGSTOP)
-                paused = stopped = (name, time.monotonic())
-                paused_pid = str(procs[name].pid)
-            if paused is not None and time.monotonic() - paused[1] > float(LEASE_TTL) + 3:
-                procs[paused[0]].send_signal(signal.SIGCONT)
-                resumed_at = time.time()
-                # resumed: it finds its partitions taken over, and drops their work (fenced meanwhile)
-                resumed = paused[0]
-                wait_for(lambda n=resumed: "lost ownership of a partition" in workers.log(n), 15, "the resumed loss")
-                paused = None
-            time.sleep(0.33)
-    if paused is not None:
-        procs[paused[0]].send_signal(signal.SIGCONT)
-
-    def all_applied() -> bool:
-        return sum(r.llen(f"{namespace}:t:applied:k{k}") for k in range(KEYS)) >= sent
-
-    wait_for(all_applied, 90, f"all {sent} messages to be applied")
-    wait_for(lambda: _settled(r, namespace), 30, "lag and pending to return to zero")
-    inversions, missing, duplicates = 0, 0, 0
-    examples = []
-    for k in range(KEYS):
-        raw = [x.decode() for x in r.lrange(f"{namespace}:t:applied:k{k}", 0, -1)]
-        applied = [int(x.split("@")[0]) for x in raw]
-        bad = [i for i, (a, b) in enumerate(itertools.pairwise(applied)) if b <= a]
-        inversions += len(bad)
-        examples += [f"k{k}: {raw[max(i - 3, 0) : i + 4]}" for i in bad[:2]]
-        missing += len(set(range(seq[k])) - set(applied))
-        duplicates += len(applied) - len(set(applied))
-    overlaps = [x.decode() for x in r.lrange(f"{namespace}:t:overlaps", 0, -1)]
-    print(f"\nownership: {sent} messages, kill -> partitions running elsewhere: {[round(m, 2) for m in moves]} s")
-    assert (inversions, missing, duplicates) == (0, 0, 0), (examples, pids, stopped)
-    # Two instances ran one key at once only as docs/partition-ownership.md allows: a handler the
-    # paused process had already entered when it froze went on when it resumed (its effects are
-    # fenced: checked above). A handler entered after the resume, or any other pair, is a defect.
-    unexplained = []
-    for entry in overlaps:
-        _k, _s, _p, pid_a, at_a, pid_b, at_b, _at = entry.split(":")
-        runs = {pid_a: int(at_a), pid_b: int(at_b)}
-        if paused_pid not in runs or runs[paused_pid] / 1000 >= resumed_at:
-            unexplained.append(entry)
-    assert unexplained == [], (unexplained, pids, stopped, resumed_at)
-    assert stopped[0] and "lost ownership of a partition" in workers.log(stopped[0])
-    logs = "".join(workers.log(n) for n in NAMES)
-    assert "took over pending entries of an owned partition" in logs
-    # framework status: an owner per partition, with lease age, token and lag (table and --json)
-    status = run_cli("status", "--json", "owner.seq", env=workers.env)
-    assert status.returncode == 0, status.stderr
-    [dest] = json.loads(status.stdout)
-    leases = [g["lease"] for p in dest["per_partition"] for g in p["groups"]]
-    assert len(leases) == 8 and all(lease["owner"] in NAMES and lease["token"] >= 1 for lease in leases), leases
-    assert sum(g["lag"] + g["pending"] for p in dest["per_partition"] for g in p["groups"]) == 0
-    table = run_cli("status", "owner.seq", env=workers.env)
-    assert "partition owners" in table.stdout and any(n in table.stdout for n in NAMES), table.stdout
-    for name in NAMES:
-        procs[name].send_signal(signal.SIGTERM)
-    for name in NAMES:
-        assert procs[name].wait(timeout=30) == 0
-    assert all(o == "" for o in _partition_owners(r, namespace).values())  # released on SIGTERM
+    """3 workers, 8 partitions, 100 keys, 20,000 messages sent over about 20 s while workers are
+    SIGKILLed and restarted at random and one is SIGSTOPped past its lease, then resumed
+    (tests/ordered_workload.py; the same on a 3-master cluster in tests/test_cluster.py)."""
+    run_ordered_workload(workers, redis_url, namespace, messages=20_000)

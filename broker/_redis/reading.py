@@ -64,6 +64,7 @@ class Reading(RedisCore):
 
         Bounded: on a channel the call waits at most ``block_ms`` plus the command timeout; through
         the client (whose socket timeout is the command timeout) BLOCK is capped at half of it.
+        Never re-sent by the client (a read must not reach the server after the caller checked its lease).
         """
         if channel is None:
             block_ms = min(block_ms, int(self.command_timeout * 500))
@@ -73,6 +74,14 @@ class Reading(RedisCore):
         args += ["STREAMS", source.stream, source.keys.redeliver, ">", ">"]
         if channel is not None:
             reply = await channel.execute(*args, timeout=block_ms / 1000 + self.command_timeout)
+        elif self.cluster:
+            # One attempt: a Cluster client re-sends a command that timed out, and a read re-sent
+            # after its consumer's partition lease ended (a process resumed after a pause finds its
+            # timers expired) would take new entries ahead of the partition's new owner, which then
+            # runs later entries of their keys first. Naming the node turns the client's retries off
+            # (a MOVED redirection is still followed: the command did not run).
+            node = self.redis.get_node_from_key(source.stream)
+            reply = await self.redis.execute_command(*args, target_nodes=node)
         else:
             reply = await self.redis.execute_command(*args)
         return self._deliveries(source, reply)
