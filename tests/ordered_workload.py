@@ -18,8 +18,8 @@ import signal
 import time
 from typing import Any
 
+from broker.keys import GroupKeys, KeySpace
 from broker.sync_client import sync_client
-from broker.topology import DestinationSpec
 from framework import Queue, SyncClient
 from tests.apps.ownerapp import applied_key, last_key
 from tests.conftest import run_cli
@@ -32,23 +32,27 @@ PARTITIONS = 8
 LEASE_TTL = "2"  # seconds: kills move partitions within about this plus a heartbeat
 NAMES = ("w0", "w1", "w2")
 SEQ = Queue("owner.seq", partitions=PARTITIONS)  # as declared by tests/apps/ownerapp.py
-SPEC = DestinationSpec("owner.seq", "command", partitions=PARTITIONS)  # (its partition per key)
 EVENTS = {8: "kill", 20: "kill", 32: "stop", 46: "kill"}  # round -> fault
 ROUNDS = 60  # a round every ~0.33 s
 
 
 def _tag(p: int) -> str:
+    """Partition ``p``'s hash tag (what ``ctx.hash_tag`` gives its messages)."""
     return "{" + f"owner.seq:{p}" + "}"
 
 
 def _key_tag(k: int) -> str:
-    return _tag(SPEC.partition_for(f"k{k}", ""))
+    return _tag(SEQ.spec().partition_for(f"k{k}", ""))
+
+
+def _group_keys(namespace: str, p: int) -> GroupKeys:
+    return KeySpace(namespace).partition(SEQ.name, p).group("owner")
 
 
 def _partition_owners(r: Any, namespace: str) -> dict[int, str]:
     out = {}
     for p in range(PARTITIONS):
-        owner = r.hget(f"{namespace}:{_tag(p)}:g:owner:lease", "owner")
+        owner = r.hget(_group_keys(namespace, p).lease, "owner")
         out[p] = owner.decode() if owner else ""
     return out
 
@@ -64,12 +68,12 @@ def _last_runner(r: Any, namespace: str) -> dict[int, tuple[str, int]]:
 
 def _settled(r: Any, namespace: str) -> bool:
     for p in range(PARTITIONS):
-        stream = f"{namespace}:{_tag(p)}"
-        for s in (stream, f"{stream}:g:owner:redeliver"):
-            for g in r.xinfo_groups(s):
+        keys = _group_keys(namespace, p)
+        for stream in (KeySpace(namespace).partition(SEQ.name, p).stream, keys.redeliver):
+            for g in r.xinfo_groups(stream):
                 if g["pending"] or g.get("lag"):
                     return False
-        if r.zcard(f"{stream}:g:owner:delayed"):
+        if r.zcard(keys.delayed):
             return False
     return True
 

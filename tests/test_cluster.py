@@ -327,6 +327,7 @@ def test_workers_on_a_cluster_lose_nothing_apply_nothing_twice_and_dead_letter_t
 @pytest.mark.fault
 @pytest.mark.xfail(
     strict=False,
+    raises=AssertionError,  # the defect shows as a failed check; any other error (a broken harness) fails the test
     reason="known defect (issue #12): on a Cluster, about 1 run in 5 has a partition's new owner run later "
     "entries of a key before earlier ones a paused-then-resumed or handing-back owner held; under investigation",
 )
