@@ -283,13 +283,13 @@ class Runner:
                 "benchmarks.spark_bench",
                 lambda m: m.run(url, events=s.spark_events, partitions=4, repeats=self.repeats),
             )
-        if "ownership" in self.selected:  # partition ownership (#12): 8 partitions, 1 and 2 workers
+        if "ownership" in self.selected:  # partition ownership (#12): 8 partitions, 1, 2 and 4 workers
             self._external(
                 "ownership",
                 "benchmarks.ownership_bench",
                 lambda m: m.run(url, messages=max(s.messages, 200_000), repeats=self.repeats),
             )
-        if "cluster" in self.selected:  # Redis Cluster (#12): 8 partitions, 1 and 2 workers, vs one server
+        if "cluster" in self.selected:  # Redis Cluster (#12): 8 partitions, 1, 2 and 4 workers, vs one server
             self._external(
                 "cluster",
                 "benchmarks.cluster_bench",

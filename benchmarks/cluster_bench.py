@@ -1,4 +1,4 @@
-"""Redis Cluster (#12): one service over 8 partitions, inbox on, 1 and 2 worker processes, single server vs cluster.
+"""Redis Cluster (#12): one service over 8 partitions, inbox on, 1, 2 and 4 worker processes, single server vs cluster.
 
     python -m benchmarks --only cluster
 
@@ -78,7 +78,7 @@ def _check(procs: list[Any], deadline: float) -> None:
         raise RuntimeError("cluster benchmark: the backlog was not drained within 300 s")
 
 
-def run(url: str, *, messages: int = 50_000, repeats: int = 1, workers: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+def run(url: str, *, messages: int = 50_000, repeats: int = 1, workers: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:
     """Every configuration ``repeats`` times (single server and cluster back to back, order alternating)."""
     home = tempfile.mkdtemp(prefix="framework-bench-cluster-")
     cluster = start_cluster(home, nodes=3)

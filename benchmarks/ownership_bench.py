@@ -1,4 +1,4 @@
-"""Partition ownership (#12): one service over 8 partitions, inbox on, 1 and 2 worker processes.
+"""Partition ownership (#12): one service over 8 partitions, inbox on, 1, 2 and 4 worker processes.
 
     python -m benchmarks --only ownership
 
@@ -117,7 +117,7 @@ def _check(procs: list[Any], deadline: float) -> None:
         raise RuntimeError("ownership benchmark: the backlog was not drained within 300 s")
 
 
-def run(url: str, *, messages: int = 50_000, repeats: int = 1, workers: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+def run(url: str, *, messages: int = 50_000, repeats: int = 1, workers: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:
     """Every configuration ``repeats`` times (owned and unowned back to back, order alternating)."""
     runs: dict[str, list[float]] = {}
     costs: dict[int, list[float]] = {w: [] for w in workers}

@@ -225,12 +225,20 @@ class GroupReader(Protocol):
         ...
 
     async def read(
-        self, source: GroupPartition, consumer: str, count: int, block_ms: int, *, channel: Any = None
+        self,
+        source: GroupPartition,
+        consumer: str,
+        count: int,
+        block_ms: int,
+        *,
+        channel: Any = None,
+        token: int | None = None,
     ) -> list[Delivery]:
         """Deliver up to ``count`` new entries to ``consumer``, waiting up to ``block_ms`` for one.
 
         Bounded in time: at most ``block_ms`` plus the command timeout. Entries stay pending for
-        ``consumer`` until settled.
+        ``consumer`` until settled. ``token`` (an owned partition, ``consumer`` its lease's holder):
+        fenced, nothing is taken once another instance acquired the partition (``LeaseLost``).
         """
         ...
 
@@ -241,8 +249,11 @@ class GroupReader(Protocol):
         after the entry ids in ``after`` (per stream); delivery counts are raised."""
         ...
 
-    async def claim_idle(self, source: GroupPartition, consumer: str, min_idle_ms: int, count: int) -> list[Delivery]:
-        """Take over entries idle for at least ``min_idle_ms`` from any consumer of the group."""
+    async def claim_idle(
+        self, source: GroupPartition, consumer: str, min_idle_ms: int, count: int, *, token: int | None = None
+    ) -> list[Delivery]:
+        """Take over entries idle for at least ``min_idle_ms`` from any consumer of the group
+        (``token``: fenced like :meth:`read`)."""
         ...
 
     async def release_own_pending(
@@ -388,10 +399,11 @@ class PartitionOwnership(Protocol):
         ...
 
     async def take_over(
-        self, source: GroupPartition, consumer: str, count: int, cursors: dict[str, str]
+        self, source: GroupPartition, consumer: str, count: int, cursors: dict[str, str], *, token: int | None = None
     ) -> list[Delivery]:
         """Claim up to ``count`` entries pending in the partition for anyone, oldest first (a new
-        owner's first step); ``cursors`` carries the scan from call to call."""
+        owner's first step); ``cursors`` carries the scan from call to call; ``token``: fenced
+        like :meth:`GroupReader.read`."""
         ...
 
     def taken_over(self, cursors: dict[str, str]) -> bool:

@@ -29,6 +29,7 @@ _NAMES = (
     "commit_effects",
     "publish_batch",
     "lease",
+    "owned_intake",
     "members",
     "schedule_add",
     "schedule_batch",

@@ -32,6 +32,7 @@ from framework.client import Client
 from framework.testing import delete_namespace, unique_namespace
 from tests.conftest import ROOT, run_cli
 from tests.ordered_workload import run_ordered_workload
+from tests.test_ownership import check_fenced_intake
 from tests.workers import Workers, wait_for
 
 pytestmark = pytest.mark.slow
@@ -97,6 +98,19 @@ def test_the_local_cluster_is_formed_and_any_node_url_works(cluster: RunningClus
         try:
             assert broker.cluster
             assert len(broker.redis.get_primaries()) == 3
+        finally:
+            await broker.close()
+
+    anyio.run(check)
+
+
+def test_a_stale_owner_reads_and_claims_nothing_on_a_cluster(cluster: RunningCluster, ns: str) -> None:
+    """The fenced intake (owned_intake.lua) on a cluster: routed to the partition's node, sent once."""
+
+    async def check() -> None:
+        broker = await connect(cluster.url, namespace=ns)
+        try:
+            await check_fenced_intake(broker)
         finally:
             await broker.close()
 
@@ -325,12 +339,6 @@ def test_workers_on_a_cluster_lose_nothing_apply_nothing_twice_and_dead_letter_t
 
 
 @pytest.mark.fault
-@pytest.mark.xfail(
-    strict=False,
-    raises=AssertionError,  # the defect shows as a failed check; any other error (a broken harness) fails the test
-    reason="known defect (issue #12): on a Cluster, about 1 run in 5 has a partition's new owner run later "
-    "entries of a key before earlier ones a paused-then-resumed or handing-back owner held; under investigation",
-)
 def test_keys_keep_their_order_on_a_cluster_across_workers_killed_restarted_and_paused(
     cluster: RunningCluster, ns: str, env: dict[str, str], tmp_path: Path
 ) -> None:

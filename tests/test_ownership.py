@@ -112,6 +112,62 @@ async def test_a_stale_owner_gets_every_ack_and_settle_refused(broker: RedisBrok
 
 
 @pytest.mark.anyio
+async def test_a_stale_owner_reads_and_claims_nothing(broker: RedisBroker) -> None:
+    """A read or claim reaching the server after the lease moved (a paused process resumed past its
+    local check) takes nothing: taken, the entries would wait with the old owner while the new
+    one ran later entries of their keys. A fenced read of the holder waits for new entries."""
+    await check_fenced_intake(broker)
+
+
+async def check_fenced_intake(broker: RedisBroker) -> None:
+    """The stale owner's reads and claims are refused, the holder's go on (also run on a cluster)."""
+    spec = await broker.declare(DestinationSpec("own.intake", "command", partitions=1))
+    [view] = await broker.subscribe(spec, "g")
+
+    def envelopes(start: int, n: int) -> list[Envelope]:
+        body = lambda i: orjson.dumps({"n": i})  # noqa: E731
+        return [
+            Envelope(destination="own.intake", kind="command", type="T", key="k", body=body(i))
+            for i in range(start, start + n)
+        ]
+
+    await broker.publish(envelopes(0, 3))
+    stale = await broker.acquire_lease(view, "old", 200)
+    [first] = await broker.read(view, "old", 1, 0, token=stale)  # the holder reads
+    await anyio.sleep(0.3)  # paused past the lease; a new owner acquires
+    current = await broker.acquire_lease(view, "new", 5000)
+    for call in (
+        lambda: broker.read(view, "old", 10, 0, token=stale),
+        lambda: broker.read(view, "old", 10, 200, token=stale),
+        lambda: broker.claim_idle(view, "old", 0, 10, token=stale),
+        lambda: broker.take_over(view, "old", 10, {}, token=stale),
+    ):
+        with pytest.raises(LeaseLost):
+            await call()
+    rows = await broker.redis.execute_command("XPENDING", view.stream, "g", "-", "+", 10)
+    assert [(r[0].decode(), r[1].decode()) for r in rows] == [(first.entry_id, "old")]  # nothing more taken
+    cursors: dict[str, str] = {}
+    taken = await broker.take_over(view, "new", 10, cursors, token=current)
+    while not broker.taken_over(cursors):
+        taken += await broker.take_over(view, "new", 10, cursors, token=current)
+    assert [d.entry_id for d in taken] == [first.entry_id]
+    rest = await broker.read(view, "new", 10, 0, token=current)
+    assert [d.envelope.body for d in rest if d.envelope] == [b'{"n":1}', b'{"n":2}']
+    assert await broker.read(view, "new", 10, 0, token=current) == []
+
+    async def publish_later() -> None:
+        await anyio.sleep(0.2)
+        await broker.publish(envelopes(3, 1))
+
+    async with anyio.create_task_group() as tg:  # nothing new: the holder's read waits for the next entry
+        tg.start_soon(publish_later)
+        with anyio.fail_after(3):
+            [woken] = await broker.read(view, "new", 10, 2000, token=current)
+    assert woken.envelope is not None and woken.envelope.body == b'{"n":3}'
+    assert await broker.read(view, "new", 10, 100, token=current) == []  # times out empty
+
+
+@pytest.mark.anyio
 async def test_changing_the_partition_count_of_a_live_destination_is_refused(broker: RedisBroker) -> None:
     """Keys would move between partitions and reorder: refused, with what to do instead."""
     await broker.declare(DestinationSpec("own.resized", "command", partitions=2))

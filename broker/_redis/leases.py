@@ -81,7 +81,7 @@ class Leases(Reading):
         )
 
     async def take_over(
-        self, source: GroupPartition, consumer: str, count: int, cursors: dict[str, str]
+        self, source: GroupPartition, consumer: str, count: int, cursors: dict[str, str], *, token: int | None = None
     ) -> list[Delivery]:
         """Claim up to ``count`` entries pending in the partition for anyone, however recently read.
 
@@ -89,14 +89,15 @@ class Leases(Reading):
         earlier owners left pending (dead, paused past their lease, or handed back) becomes
         ``consumer``'s, oldest first, delivery counts raised by one. ``cursors`` (stream -> next
         id, empty at first) is advanced; the take-over is complete when a call returns nothing
-        and every cursor is ``"0-0"``.
+        and every cursor is ``"0-0"``. ``token`` (the lease's): fenced, :class:`~broker.errors.LeaseLost`
+        once another instance holds the lease (nothing claimed).
         """
         out: list[Delivery] = []
         for stream in (source.stream, source.keys.redeliver):
             start = cursors.get(stream, "0-0")
             if start == "done":
                 continue
-            nxt, claimed = await self._autoclaim(source, stream, consumer, 0, start, count)
+            nxt, claimed = await self._autoclaim(source, stream, consumer, 0, start, count, token)
             cursors[stream] = "done" if nxt == "0-0" else nxt
             out += claimed
         return out

@@ -10,12 +10,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from redis.exceptions import NoPermissionError, ResponseError
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
 from broker._redis.core import RedisCore, text
 from broker.codec import decode_flat
 from broker.envelope import Envelope, now_ms
-from broker.errors import DecodeError
+from broker.errors import DecodeError, LeaseLost
 from broker.keys import inbox_records
 from broker.protocol import Delivery, Extension, GroupPartition
 from broker.wire import Channel
@@ -58,33 +58,90 @@ class Reading(RedisCore):
         return None if self.cluster else Channel(self.redis.connection_pool, command_timeout=self.command_timeout)
 
     async def read(
-        self, source: GroupPartition, consumer: str, count: int, block_ms: int, *, channel: Channel | None = None
+        self,
+        source: GroupPartition,
+        consumer: str,
+        count: int,
+        block_ms: int,
+        *,
+        channel: Channel | None = None,
+        token: int | None = None,
     ) -> list[Delivery]:
         """XREADGROUP new entries of the partition stream and the group's redeliver stream.
 
         Bounded: on a channel the call waits at most ``block_ms`` plus the command timeout; through
         the client (whose socket timeout is the command timeout) BLOCK is capped at half of it.
         Never re-sent by the client (a read must not reach the server after the caller checked its lease).
+        ``token`` (an owned partition's fencing token): the read is fenced (:meth:`_read_owned`).
         """
         if channel is None:
             block_ms = min(block_ms, int(self.command_timeout * 500))
+        if token is not None:
+            return await self._read_owned(source, consumer, count, block_ms, channel, token)
         args: list[Any] = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", count]
         if block_ms > 0:
             args += ["BLOCK", block_ms]
         args += ["STREAMS", source.stream, source.keys.redeliver, ">", ">"]
+        return self._deliveries(source, await self._send_once(source, args, channel, block_ms))
+
+    async def _send_once(self, source: GroupPartition, args: list[Any], channel: Channel | None, block_ms: int) -> Any:
+        """Send one command about ``source``'s partition, never re-sent by a client after a timeout."""
         if channel is not None:
-            reply = await channel.execute(*args, timeout=block_ms / 1000 + self.command_timeout)
-        elif self.cluster:
+            return await channel.execute(*args, timeout=block_ms / 1000 + self.command_timeout)
+        if self.cluster:
             # One attempt: a Cluster client re-sends a command that timed out, and a read re-sent
-            # after its consumer's partition lease ended (a process resumed after a pause finds its
-            # timers expired) would take new entries ahead of the partition's new owner, which then
-            # runs later entries of their keys first. Naming the node turns the client's retries off
-            # (a MOVED redirection is still followed: the command did not run).
+            # would take entries whose first reply was lost (they would wait, pending here, while
+            # later entries of their keys run). Naming the node turns the client's retries off (a
+            # MOVED redirection is still followed: the command did not run).
             node = self.redis.get_node_from_key(source.stream)
-            reply = await self.redis.execute_command(*args, target_nodes=node)
-        else:
-            reply = await self.redis.execute_command(*args)
-        return self._deliveries(source, reply)
+            return await self.redis.execute_command(*args, target_nodes=node)
+        return await self.redis.execute_command(*args)
+
+    async def _owned_intake(
+        self, source: GroupPartition, keys: list[str], args: list[Any], channel: Channel | None
+    ) -> Any:
+        """One owned_intake.lua call (sent once; loaded again on NOSCRIPT, which means it did not run)."""
+        script = self.scripts["owned_intake"]
+        command = ["EVALSHA", script.sha, len(keys), *keys, *args]
+        try:
+            reply = await self._send_once(source, command, channel, 0)
+        except NoScriptError:
+            if channel is not None:
+                await channel.execute("SCRIPT", "LOAD", script.source)
+            else:
+                await self.redis.script_load(script.source)
+            reply = await self._send_once(source, command, channel, 0)
+        if int(reply[0]) == -1:
+            raise LeaseLost(
+                f"partition {source.partition} of {source.spec.name!r} is owned by another instance of "
+                f"{source.group!r} now (this instance's lease expired): nothing was read or claimed"
+            )
+        return reply
+
+    async def _read_owned(
+        self, source: GroupPartition, consumer: str, count: int, block_ms: int, channel: Channel | None, token: int
+    ) -> list[Delivery]:
+        """The fenced read of an owned partition: only the lease's holder takes entries.
+
+        A blocking XREADGROUP cannot be fenced (the lease is checked when the command runs, and it
+        may run after a pause of its sender, or wait on the server past the lease), so the read is
+        ``owned_intake.lua`` (lease check and a non-blocking XREADGROUP, atomic); when it finds
+        nothing new, a plain XREAD BLOCK from the streams' last ids waits for a newer entry (taking
+        nothing), then the fenced read runs again. Raises :class:`~broker.errors.LeaseLost` when
+        the token is no longer current (nothing read).
+        """
+        keys = [source.keys.lease, source.stream, source.keys.redeliver]
+        args: list[Any] = [consumer, token, "read", source.group, count]
+        reply = await self._owned_intake(source, keys, args, channel)
+        if int(reply[0]) == 1:
+            return self._deliveries(source, reply[1])
+        if block_ms <= 0:
+            return []
+        wait = ["XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", source.stream, source.keys.redeliver]
+        if not await self._send_once(source, [*wait, text(reply[1]), text(reply[2])], channel, block_ms):
+            return []
+        reply = await self._owned_intake(source, keys, args, channel)
+        return self._deliveries(source, reply[1]) if int(reply[0]) == 1 else []
 
     async def read_own_pending(
         self, source: GroupPartition, consumer: str, count: int, after: dict[str, str] | None = None
@@ -104,26 +161,41 @@ class Reading(RedisCore):
         counts = {text(p[0]): int(p[3]) for rows in pending for p in rows}
         return self._deliveries(source, reply, counts)
 
-    async def claim_idle(self, source: GroupPartition, consumer: str, min_idle_ms: int, count: int) -> list[Delivery]:
-        """XAUTOCLAIM entries idle past ``min_idle_ms``; their delivery counts are raised by one."""
+    async def claim_idle(
+        self, source: GroupPartition, consumer: str, min_idle_ms: int, count: int, *, token: int | None = None
+    ) -> list[Delivery]:
+        """XAUTOCLAIM entries idle past ``min_idle_ms``; their delivery counts are raised by one.
+        ``token``: an owned partition's fencing token (fenced like :meth:`read`)."""
         out: list[Delivery] = []
         for stream in (source.stream, source.keys.redeliver):
             cursor_key = (stream, source.group)
             start = self._claim_cursor.get(cursor_key, "0-0")
             self._claim_cursor[cursor_key], claimed = await self._autoclaim(
-                source, stream, consumer, min_idle_ms, start, count
+                source, stream, consumer, min_idle_ms, start, count, token
             )
             out += claimed
         return out
 
     async def _autoclaim(
-        self, source: GroupPartition, stream: str, consumer: str, min_idle_ms: int, start: str, count: int
+        self,
+        source: GroupPartition,
+        stream: str,
+        consumer: str,
+        min_idle_ms: int,
+        start: str,
+        count: int,
+        token: int | None = None,
     ) -> tuple[str, list[Delivery]]:
         """One XAUTOCLAIM of ``stream`` from ``start``: the next cursor and the claimed deliveries,
-        with their delivery counts (one XPENDING over the claimed range)."""
-        reply = await self.redis.execute_command(
-            "XAUTOCLAIM", stream, source.group, consumer, min_idle_ms, start, "COUNT", count
-        )
+        with their delivery counts (one XPENDING over the claimed range). With ``token`` (an owned
+        partition) it is fenced: owned_intake.lua claims only for the lease's holder, else LeaseLost."""
+        if token is None:
+            reply = await self.redis.execute_command(
+                "XAUTOCLAIM", stream, source.group, consumer, min_idle_ms, start, "COUNT", count
+            )
+        else:
+            args = [consumer, token, "claim", source.group, min_idle_ms, start, count]
+            reply = (await self._owned_intake(source, [source.keys.lease, stream], args, None))[1]
         entries = [e for e in reply[1] if e is not None]
         if not entries:
             return text(reply[0]), []

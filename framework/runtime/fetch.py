@@ -9,7 +9,11 @@ goes to the admit stage; every broker round trip that worked marks progress (``h
 On an owned partition (:mod:`framework.runtime.ownership`) a tenure starts with the take-over
 instead: every entry pending in the partition for any consumer (what earlier owners left: dead,
 paused, or handed back) is claimed at once, oldest first, and admitted before anything new is
-read, so a key's messages run in the order they were published across owners.
+read, so a key's messages run in the order they were published across owners. Its reads and
+claims carry the lease's fencing token and are checked on the server in the same script that takes
+the entries (``broker/lua/owned_intake.lua``): a command that reaches the server after the lease
+moved (sent by a process resumed after a pause, past its local lease check) takes nothing, so no
+entry is left pending with a former owner while the new one runs later entries of its keys.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 
 import anyio
 
+from broker import LeaseLost
 from framework.runtime.admit import Admission
 from framework.runtime.connectivity import healthy
 from framework.runtime.ledger import Ledger
@@ -48,12 +53,19 @@ class Fetcher:
         broker = self.wiring.broker
         consumer = self.wiring.consumer_name
         prefetch = self.wiring.settings.prefetch
+        lease = ledger.lease
+        assert lease is not None
+        token = lease.token
         cursors: dict[str, str] = {}
         total = 0
         while True:
             if ledger.in_flight > prefetch:
                 await ledger.wait_for_capacity(prefetch)
-            deliveries = await broker.take_over(ledger.view, consumer, prefetch, cursors)
+            try:
+                deliveries = await broker.take_over(ledger.view, consumer, prefetch, cursors, token=token)
+            except LeaseLost:
+                lease.lose("its take-over was refused: another instance holds the partition's lease")
+                return
             healthy()
             fresh = [d for d in deliveries if d.entry_id not in ledger.held]
             if fresh:
@@ -94,6 +106,7 @@ class Fetcher:
         prefetch, block = settings.prefetch, settings.block_ms
         admit = self.admission.admit
         lease = ledger.lease
+        token = lease.token if lease is not None else None
         clock = time.monotonic
         channel = broker.channel()  # this fetcher's own connection: reads and inbox checks
         try:
@@ -102,10 +115,8 @@ class Fetcher:
                     await ledger.wait_for_capacity(prefetch)
                 wait = block
                 if lease is not None:
-                    # A read must not outlive the lease: one still blocked on the server when another
-                    # instance takes the partition over would be handed entries after that take-over
-                    # (ahead of which the new owner then reads later ones). The lease's local end comes
-                    # before its end on the server, so a read ending by then ends in time.
+                    # The read is fenced on the server (it takes nothing once the lease moved); its
+                    # wait still ends before the lease's local end, so the lease is checked again in time.
                     now = clock()
                     if not lease.usable(now):
                         return  # lost or handed back: the tenure ends
@@ -113,7 +124,12 @@ class Fetcher:
                     if wait < 1:
                         await anyio.sleep(0.01)  # the next renewal extends it
                         continue
-                deliveries = await broker.read(ledger.view, consumer, prefetch, wait, channel=channel)
+                try:
+                    deliveries = await broker.read(ledger.view, consumer, prefetch, wait, channel=channel, token=token)
+                except LeaseLost:  # fenced: the server refused the read (nothing taken)
+                    assert lease is not None
+                    lease.lose("a read was refused: another instance holds the partition's lease")
+                    return
                 healthy()
                 if deliveries:  # what was read is dispatched even if fetching stops meanwhile
                     with anyio.CancelScope(shield=True), anyio.move_on_after(30):

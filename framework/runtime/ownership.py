@@ -91,8 +91,8 @@ class _Tenure:
     async def close_intake(self) -> None:
         """Stop fetching and claiming, and wait until the fetcher's connection is closed (bounded).
 
-        A lease is freed only after this: a read still blocked on the server could otherwise be
-        handed entries after the next owner's take-over."""
+        A lease is freed only after this, so no read or claim of this tenure is still on its way
+        when the next owner takes over (they are fenced on the server too: owned_intake.lua)."""
         self.intake.cancel()
         with anyio.move_on_after(5, shield=True):
             await self.intake_done.wait()

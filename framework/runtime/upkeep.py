@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import attrs
 
-from broker import now_ms
+from broker import LeaseLost, now_ms
 from broker.inspect import InboxMemory, inbox_memory
 from framework.runtime.admit import Admission
 from framework.runtime.connectivity import healthy
@@ -79,7 +79,15 @@ class Upkeep:
                 wiring.log.info("removed departed consumers", partition=ledger.partition, count=pruned)
         if ledger.in_flight > settings.prefetch:
             return
-        deliveries = await broker.claim_idle(ledger.view, wiring.consumer_name, wiring.lease_ms, settings.prefetch)
+        token = ledger.lease.token if ledger.lease is not None else None
+        try:
+            deliveries = await broker.claim_idle(
+                ledger.view, wiring.consumer_name, wiring.lease_ms, settings.prefetch, token=token
+            )
+        except LeaseLost:
+            assert ledger.lease is not None
+            ledger.lease.lose("a claim was refused: another instance holds the partition's lease")
+            return
         held = ledger.held
         fresh = [d for d in deliveries if d.entry_id not in held]
         for d in deliveries:  # held here and ours again (taken, then claimed back): extend it again
