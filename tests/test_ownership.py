@@ -9,6 +9,8 @@ that no key runs in two instances at once.
 
 from __future__ import annotations
 
+import functools
+
 import anyio
 import orjson
 import pytest
@@ -136,9 +138,14 @@ async def check_fenced_intake(broker: RedisBroker) -> None:
     [first] = await broker.read(view, "old", 1, 0, token=stale)  # the holder reads
     await anyio.sleep(0.3)  # paused past the lease; a new owner acquires
     current = await broker.acquire_lease(view, "new", 5000)
+    channel = broker.channel()  # the runtime's reads go on a channel (WATCH/MULTI); None on a cluster (a script)
+    ways = [channel, None] if channel is not None else [None]
     for call in (
-        lambda: broker.read(view, "old", 10, 0, token=stale),
-        lambda: broker.read(view, "old", 10, 200, token=stale),
+        *(
+            functools.partial(broker.read, view, "old", 10, block, channel=ch, token=stale)
+            for ch in ways
+            for block in (0, 200)
+        ),
         lambda: broker.claim_idle(view, "old", 0, 10, token=stale),
         lambda: broker.take_over(view, "old", 10, {}, token=stale),
     ):
@@ -151,20 +158,23 @@ async def check_fenced_intake(broker: RedisBroker) -> None:
     while not broker.taken_over(cursors):
         taken += await broker.take_over(view, "new", 10, cursors, token=current)
     assert [d.entry_id for d in taken] == [first.entry_id]
-    rest = await broker.read(view, "new", 10, 0, token=current)
+    rest = await broker.read(view, "new", 10, 0, channel=channel, token=current)
     assert [d.envelope.body for d in rest if d.envelope] == [b'{"n":1}', b'{"n":2}']
-    assert await broker.read(view, "new", 10, 0, token=current) == []
+    for n, ch in enumerate(ways, start=3):
+        assert await broker.read(view, "new", 10, 0, channel=ch, token=current) == []
 
-    async def publish_later() -> None:
-        await anyio.sleep(0.2)
-        await broker.publish(envelopes(3, 1))
+        async def publish_later(n: int = n) -> None:
+            await anyio.sleep(0.2)
+            await broker.publish(envelopes(n, 1))
 
-    async with anyio.create_task_group() as tg:  # nothing new: the holder's read waits for the next entry
-        tg.start_soon(publish_later)
-        with anyio.fail_after(3):
-            [woken] = await broker.read(view, "new", 10, 2000, token=current)
-    assert woken.envelope is not None and woken.envelope.body == b'{"n":3}'
-    assert await broker.read(view, "new", 10, 100, token=current) == []  # times out empty
+        async with anyio.create_task_group() as tg:  # nothing new: the holder's read waits for the next entry
+            tg.start_soon(publish_later)
+            with anyio.fail_after(3):
+                [woken] = await broker.read(view, "new", 10, 2000, channel=ch, token=current)
+        assert woken.envelope is not None and woken.envelope.body == orjson.dumps({"n": n})
+        assert await broker.read(view, "new", 10, 100, channel=ch, token=current) == []  # times out empty
+    if channel is not None:
+        await channel.aclose()
 
 
 @pytest.mark.anyio

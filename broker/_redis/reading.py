@@ -112,10 +112,7 @@ class Reading(RedisCore):
                 await self.redis.script_load(script.source)
             reply = await self._send_once(source, command, channel, 0)
         if int(reply[0]) == -1:
-            raise LeaseLost(
-                f"partition {source.partition} of {source.spec.name!r} is owned by another instance of "
-                f"{source.group!r} now (this instance's lease expired): nothing was read or claimed"
-            )
+            raise self._not_ours(source)
         return reply
 
     async def _read_owned(
@@ -125,23 +122,65 @@ class Reading(RedisCore):
 
         A blocking XREADGROUP cannot be fenced (the lease is checked when the command runs, and it
         may run after a pause of its sender, or wait on the server past the lease), so the read is
-        ``owned_intake.lua`` (lease check and a non-blocking XREADGROUP, atomic); when it finds
-        nothing new, a plain XREAD BLOCK from the streams' last ids waits for a newer entry (taking
-        nothing), then the fenced read runs again. Raises :class:`~broker.errors.LeaseLost` when
-        the token is no longer current (nothing read).
+        a non-blocking XREADGROUP made atomic with a check of the lease (:meth:`_fenced_read`);
+        when it finds nothing new, a plain XREAD BLOCK from the streams' last ids waits for a newer
+        entry (taking nothing), then the fenced read runs again. Raises
+        :class:`~broker.errors.LeaseLost` when the token is no longer current (nothing read).
         """
-        keys = [source.keys.lease, source.stream, source.keys.redeliver]
-        args: list[Any] = [consumer, token, "read", source.group, count]
-        reply = await self._owned_intake(source, keys, args, channel)
-        if int(reply[0]) == 1:
-            return self._deliveries(source, reply[1])
-        if block_ms <= 0:
+        reply, last = await self._fenced_read(source, consumer, count, channel, token)
+        if reply or block_ms <= 0:
+            return self._deliveries(source, reply)
+        wait = ["XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", source.stream, source.keys.redeliver, *last]
+        if not await self._send_once(source, wait, channel, block_ms):
             return []
-        wait = ["XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", source.stream, source.keys.redeliver]
-        if not await self._send_once(source, [*wait, text(reply[1]), text(reply[2])], channel, block_ms):
-            return []
-        reply = await self._owned_intake(source, keys, args, channel)
-        return self._deliveries(source, reply[1]) if int(reply[0]) == 1 else []
+        reply, _ = await self._fenced_read(source, consumer, count, channel, token)
+        return self._deliveries(source, reply)
+
+    async def _fenced_read(
+        self, source: GroupPartition, consumer: str, count: int, channel: Channel | None, token: int
+    ) -> tuple[Any, list[str]]:
+        """XREADGROUP '>' (not blocking) only if ``consumer`` holds the lease under ``token``, atomically.
+
+        Returns the read's reply (None: nothing new) and the two streams' last entry ids. On a
+        channel: WATCH the lease, check it, then MULTI/XREADGROUP/EXEC (the entries come back as
+        Redis encodes them; an EXEC aborted by any write to the lease, such as our own renewal,
+        checks again). Through the client (a Cluster): ``owned_intake.lua``, which costs the server
+        a few µs per entry more (the reply is copied through Lua).
+        """
+        if channel is None:
+            keys = [source.keys.lease, source.stream, source.keys.redeliver]
+            reply = await self._owned_intake(source, keys, [consumer, token, "read", source.group, count], None)
+            if int(reply[0]) == 1:
+                return reply[1], []
+            return None, [text(reply[1]), text(reply[2])]
+        lease = source.keys.lease
+        read = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", count]
+        read += ["STREAMS", source.stream, source.keys.redeliver, ">", ">"]
+        tops = [["XREVRANGE", stream, "+", "-", "COUNT", 1] for stream in (source.stream, source.keys.redeliver)]
+        while True:
+            _, state = await channel.execute_many([["WATCH", lease], ["HMGET", lease, "owner", "token"]])
+            if isinstance(state, Exception):
+                raise state
+            if text(state[0] or b"") != consumer or int(state[1] or 0) != token:
+                await channel.execute("UNWATCH")
+                raise self._not_ours(source)
+            replies = await channel.execute_many([["MULTI"], read, *tops, ["EXEC"]])
+            done = replies[-1]
+            if isinstance(done, Exception):
+                raise done
+            if done is not None:  # None: the lease was written meanwhile (a renewal, a take-over): check again
+                reply, top, top_redeliver = done
+                if isinstance(reply, Exception):
+                    raise reply
+                last = [text(t[0][0]) if t else "0-0" for t in (top, top_redeliver)]
+                return reply, last
+
+    @staticmethod
+    def _not_ours(source: GroupPartition) -> LeaseLost:
+        return LeaseLost(
+            f"partition {source.partition} of {source.spec.name!r} is owned by another instance of "
+            f"{source.group!r} now (this instance's lease expired): nothing was read or claimed"
+        )
 
     async def read_own_pending(
         self, source: GroupPartition, consumer: str, count: int, after: dict[str, str] | None = None
