@@ -172,7 +172,11 @@ async def check_fenced_intake(broker: RedisBroker) -> None:
             with anyio.fail_after(3):
                 [woken] = await broker.read(view, "new", 10, 2000, channel=ch, token=current)
         assert woken.envelope is not None and woken.envelope.body == orjson.dumps({"n": n})
+        await anyio.sleep(0.5)
         assert await broker.read(view, "new", 10, 100, channel=ch, token=current) == []  # times out empty
+        # ... and its consumer was seen meanwhile (an idle owner is not taken for a departed one)
+        seen = {c["name"]: c["idle"] for c in await broker.redis.xinfo_consumers(view.stream, "g")}
+        assert seen[b"new"] < 400, seen
     if channel is not None:
         await channel.aclose()
 

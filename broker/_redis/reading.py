@@ -27,6 +27,15 @@ SCRIPT_CHUNK = 1000
 script blocks the server while it runs."""
 
 
+def _last_generated(info: Any) -> str:
+    """The ``last-generated-id`` of an ``XINFO STREAM`` reply (a flat list, or a map under RESP3)."""
+    if isinstance(info, Exception):
+        raise info
+    if not isinstance(info, dict):
+        info = dict(zip(info[::2], info[1::2], strict=True))
+    return text(info.get(b"last-generated-id") or info.get("last-generated-id") or "0-0")
+
+
 class Reading(RedisCore):
     """Delivers entries of a group's partition (and its redeliver stream) to consumers."""
 
@@ -130,22 +139,45 @@ class Reading(RedisCore):
         reply, last = await self._fenced_read(source, consumer, count, channel, token)
         if reply or block_ms <= 0:
             return self._deliveries(source, reply)
-        wait = ["XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", source.stream, source.keys.redeliver, *last]
-        if not await self._send_once(source, wait, channel, block_ms):
-            return []
-        reply, _ = await self._fenced_read(source, consumer, count, channel, token)
+        # A read of our own pending entries after the streams' last ids: it takes and returns nothing
+        # but keeps the consumer seen (a non-blocking XREADGROUP that finds nothing does not), so
+        # ``XINFO CONSUMERS`` and the CLI's live-consumer checks still see an idle owner.
+        streams = [source.stream, source.keys.redeliver]
+        touch = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", 1, "STREAMS", *streams, *last]
+        wait = ["XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", *streams, *last]
+        if channel is not None:
+            # The fenced read's first step (WATCH and read the lease) goes in the same write: the
+            # server runs it as soon as the wait ends, which saves a round trip per wake-up.
+            check = [["WATCH", source.keys.lease], ["HMGET", source.keys.lease, "owner", "token"]]
+            replies = await channel.execute_many([touch, wait, *check], timeout=block_ms / 1000 + self.command_timeout)
+            for r in replies[1:3]:
+                if isinstance(r, Exception):
+                    raise r
+            reply, _ = await self._fenced_read(source, consumer, count, channel, token, replies[3])
+        else:
+            await self._send_once(source, touch, None, 0)
+            if not await self._send_once(source, wait, None, block_ms):
+                return []
+            reply, _ = await self._fenced_read(source, consumer, count, None, token)
         return self._deliveries(source, reply)
 
     async def _fenced_read(
-        self, source: GroupPartition, consumer: str, count: int, channel: Channel | None, token: int
+        self,
+        source: GroupPartition,
+        consumer: str,
+        count: int,
+        channel: Channel | None,
+        token: int,
+        state: Any = None,
     ) -> tuple[Any, list[str]]:
         """XREADGROUP '>' (not blocking) only if ``consumer`` holds the lease under ``token``, atomically.
 
-        Returns the read's reply (None: nothing new) and the two streams' last entry ids. On a
+        Returns the read's reply (None: nothing new) and the two streams' last generated ids. On a
         channel: WATCH the lease, check it, then MULTI/XREADGROUP/EXEC (the entries come back as
         Redis encodes them; an EXEC aborted by any write to the lease, such as our own renewal,
-        checks again). Through the client (a Cluster): ``owned_intake.lua``, which costs the server
-        a few µs per entry more (the reply is copied through Lua).
+        checks again; ``state``: the lease's HMGET reply, WATCH already sent). Through the client
+        (a Cluster): ``owned_intake.lua``, which costs the server a few µs per entry more (the reply
+        is copied through Lua).
         """
         if channel is None:
             keys = [source.keys.lease, source.stream, source.keys.redeliver]
@@ -156,9 +188,10 @@ class Reading(RedisCore):
         lease = source.keys.lease
         read = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", count]
         read += ["STREAMS", source.stream, source.keys.redeliver, ">", ">"]
-        tops = [["XREVRANGE", stream, "+", "-", "COUNT", 1] for stream in (source.stream, source.keys.redeliver)]
+        tops = [["XINFO", "STREAM", stream] for stream in (source.stream, source.keys.redeliver)]
         while True:
-            _, state = await channel.execute_many([["WATCH", lease], ["HMGET", lease, "owner", "token"]])
+            if state is None:
+                _, state = await channel.execute_many([["WATCH", lease], ["HMGET", lease, "owner", "token"]])
             if isinstance(state, Exception):
                 raise state
             if text(state[0] or b"") != consumer or int(state[1] or 0) != token:
@@ -168,12 +201,13 @@ class Reading(RedisCore):
             done = replies[-1]
             if isinstance(done, Exception):
                 raise done
-            if done is not None:  # None: the lease was written meanwhile (a renewal, a take-over): check again
+            if done is None:  # the lease was written meanwhile (a renewal, a take-over): check again
+                state = None
+            else:
                 reply, top, top_redeliver = done
                 if isinstance(reply, Exception):
                     raise reply
-                last = [text(t[0][0]) if t else "0-0" for t in (top, top_redeliver)]
-                return reply, last
+                return reply, [_last_generated(info) for info in (top, top_redeliver)]
 
     @staticmethod
     def _not_ours(source: GroupPartition) -> LeaseLost:

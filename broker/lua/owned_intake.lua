@@ -13,8 +13,8 @@
 -- ARGV[3]  'read' | 'claim'
 -- ARGV[4]  the group
 -- read:  ARGV[5] count. XREADGROUP '>' of both streams (never blocking). Returns {1, reply} with
---        entries, or {0, last id of KEYS[2], last id of KEYS[3]} with none: the caller may then wait
---        for a newer entry with a plain XREAD BLOCK from those ids, which takes nothing.
+--        entries, or {0, last generated id of KEYS[2], of KEYS[3]} with none: the caller may then
+--        wait for a newer entry with a plain XREAD BLOCK from those ids, which takes nothing.
 -- claim: ARGV[5] min idle ms, ARGV[6] start id, ARGV[7] count. XAUTOCLAIM of KEYS[2]; returns {1, reply}.
 -- Returns {-1} when the lease's owner or token is not the caller's (nothing is taken).
 local state = redis.call('HMGET', KEYS[1], 'owner', 'token')
@@ -27,7 +27,9 @@ local reply = redis.call('XREADGROUP', 'GROUP', ARGV[4], ARGV[1], 'COUNT', ARGV[
 if reply then return {1, reply} end
 local last = {0}
 for i = 2, 3 do
-  local top = redis.call('XREVRANGE', KEYS[i], '+', '-', 'COUNT', 1)
-  last[i] = top[1] and top[1][1] or '0-0'
+  local info = redis.call('XINFO', 'STREAM', KEYS[i])
+  for j = 1, #info, 2 do
+    if info[j] == 'last-generated-id' then last[i] = info[j + 1] end
+  end
 end
 return last
