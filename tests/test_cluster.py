@@ -25,6 +25,7 @@ import redis
 
 from broker import connect
 from broker.cluster_client import stream_read_keys
+from broker.codec import decode_fields
 from broker.embedded_cluster import RunningCluster, slot_ranges, start_cluster
 from broker.keys import KeySpace
 from broker.sync_client import sync_client
@@ -164,6 +165,43 @@ def test_partitions_of_a_topic_spread_over_the_nodes(cluster: RunningCluster, ns
     assert len(nodes) >= 2, nodes
     assert sum(cluster_client.xlen(s) for s in streams) == 400
     assert all(cluster_client.xlen(s) > 0 for s in streams)
+
+
+def test_the_outbox_relay_publishes_to_partitions_on_every_node(
+    cluster: RunningCluster, ns: str, cluster_client: Any, tmp_path: Path
+) -> None:
+    """Committed outbox rows reach a partitioned topic whose partitions live on different nodes, each
+    key in commit order, once (a second relay pass publishes nothing)."""
+    from framework import Topic, outbox
+    from framework.outbox import OutboxRelay
+
+    topic = Topic("cl.relayed", partitions=PARTITIONS)
+
+    async def relay() -> list[str]:
+        engine = outbox.create_engine(f"sqlite:///{tmp_path / 'outbox.db'}")
+        broker = await connect(cluster.url, namespace=ns)
+        try:
+            await outbox.create_tables(engine)
+            async with engine.begin() as conn:
+                ids = [await outbox.add_event(conn, topic, {"n": i}, key=f"k{i % 20}") for i in range(200)]
+            relayer = OutboxRelay(engine, broker)
+            assert await relayer.drain() == 200
+            assert await relayer.run_once() == 0
+            return ids
+        finally:
+            await broker.close()
+            await engine.dispose()
+
+    ids = anyio.run(relay)
+    keyspace = KeySpace(ns)
+    streams = [keyspace.partition(topic.name, p).stream for p in range(PARTITIONS)]
+    assert len({cluster_client.get_node_from_key(s).name for s in streams if cluster_client.xlen(s)}) >= 2
+    by_key: dict[str, list[str]] = {}
+    for s in streams:
+        for _, fields in cluster_client.xrange(s):
+            envelope = decode_fields(fields, topic.name, "event")
+            by_key.setdefault(str(envelope.key), []).append(envelope.id)
+    assert by_key == {f"k{k}": ids[k::20] for k in range(20)}  # every row once, each key in commit order
 
 
 def _applied_counts(client: Any, ns: str, queue: str) -> Callable[[], dict[str, int]]:
