@@ -20,11 +20,19 @@ from broker.keys import inbox_records
 from broker.protocol import Delivery, Extension, GroupPartition
 from broker.wire import Channel
 
-__all__ = ["SCRIPT_CHUNK", "Reading"]
+__all__ = ["SCRIPT_CHUNK", "Reading", "lease_lost"]
 
 SCRIPT_CHUNK = 1000
 """Entry ids per script call (extend, ack): Lua's unpack() fails beyond about 8000 values, and a
 script blocks the server while it runs."""
+
+
+def lease_lost(source: GroupPartition, outcome: str) -> LeaseLost:
+    """The error of a call refused by the fencing check (another instance holds the lease)."""
+    return LeaseLost(
+        f"partition {source.partition} of {source.spec.name!r} is owned by another instance of {source.group!r} now "
+        f"(this instance's lease expired): {outcome}"
+    )
 
 
 def _last_generated(info: Any) -> str:
@@ -34,6 +42,9 @@ def _last_generated(info: Any) -> str:
     if not isinstance(info, dict):
         info = dict(zip(info[::2], info[1::2], strict=True))
     return text(info.get(b"last-generated-id") or info.get("last-generated-id") or "0-0")
+
+
+_REFUSED = "nothing was read or claimed"
 
 
 class Reading(RedisCore):
@@ -106,22 +117,18 @@ class Reading(RedisCore):
             return await self.redis.execute_command(*args, target_nodes=node)
         return await self.redis.execute_command(*args)
 
-    async def _owned_intake(
-        self, source: GroupPartition, keys: list[str], args: list[Any], channel: Channel | None
-    ) -> Any:
-        """One owned_intake.lua call (sent once; loaded again on NOSCRIPT, which means it did not run)."""
+    async def _owned_intake(self, source: GroupPartition, keys: list[str], args: list[Any]) -> Any:
+        """One owned_intake.lua call through the client (sent once; loaded again on NOSCRIPT, which
+        means it did not run)."""
         script = self.scripts["owned_intake"]
         command = ["EVALSHA", script.sha, len(keys), *keys, *args]
         try:
-            reply = await self._send_once(source, command, channel, 0)
+            reply = await self._send_once(source, command, None, 0)
         except NoScriptError:
-            if channel is not None:
-                await channel.execute("SCRIPT", "LOAD", script.source)
-            else:
-                await self.redis.script_load(script.source)
-            reply = await self._send_once(source, command, channel, 0)
+            await self.redis.script_load(script.source)
+            reply = await self._send_once(source, command, None, 0)
         if int(reply[0]) == -1:
-            raise self._not_ours(source)
+            raise lease_lost(source, _REFUSED)
         return reply
 
     async def _read_owned(
@@ -150,7 +157,7 @@ class Reading(RedisCore):
             # server runs it as soon as the wait ends, which saves a round trip per wake-up.
             check = [["WATCH", source.keys.lease], ["HMGET", source.keys.lease, "owner", "token"]]
             replies = await channel.execute_many([touch, wait, *check], timeout=block_ms / 1000 + self.command_timeout)
-            for r in replies[1:3]:
+            for r in replies[:3]:
                 if isinstance(r, Exception):
                     raise r
             reply, _ = await self._fenced_read(source, consumer, count, channel, token, replies[3])
@@ -181,7 +188,7 @@ class Reading(RedisCore):
         """
         if channel is None:
             keys = [source.keys.lease, source.stream, source.keys.redeliver]
-            reply = await self._owned_intake(source, keys, [consumer, token, "read", source.group, count], None)
+            reply = await self._owned_intake(source, keys, [consumer, token, "read", source.group, count])
             if int(reply[0]) == 1:
                 return reply[1], []
             return None, [text(reply[1]), text(reply[2])]
@@ -196,7 +203,7 @@ class Reading(RedisCore):
                 raise state
             if text(state[0] or b"") != consumer or int(state[1] or 0) != token:
                 await channel.execute("UNWATCH")
-                raise self._not_ours(source)
+                raise lease_lost(source, _REFUSED)
             replies = await channel.execute_many([["MULTI"], read, *tops, ["EXEC"]])
             done = replies[-1]
             if isinstance(done, Exception):
@@ -208,13 +215,6 @@ class Reading(RedisCore):
                 if isinstance(reply, Exception):
                     raise reply
                 return reply, [_last_generated(info) for info in (top, top_redeliver)]
-
-    @staticmethod
-    def _not_ours(source: GroupPartition) -> LeaseLost:
-        return LeaseLost(
-            f"partition {source.partition} of {source.spec.name!r} is owned by another instance of "
-            f"{source.group!r} now (this instance's lease expired): nothing was read or claimed"
-        )
 
     async def read_own_pending(
         self, source: GroupPartition, consumer: str, count: int, after: dict[str, str] | None = None
@@ -268,7 +268,7 @@ class Reading(RedisCore):
             )
         else:
             args = [consumer, token, "claim", source.group, min_idle_ms, start, count]
-            reply = (await self._owned_intake(source, [source.keys.lease, stream], args, None))[1]
+            reply = (await self._owned_intake(source, [source.keys.lease, stream], args))[1]
         entries = [e for e in reply[1] if e is not None]
         if not entries:
             return text(reply[0]), []

@@ -20,7 +20,7 @@ from redis.exceptions import ResponseError
 
 from broker._redis.core import ScriptCall, text
 from broker._redis.publishing import partition_of
-from broker._redis.reading import SCRIPT_CHUNK
+from broker._redis.reading import SCRIPT_CHUNK, lease_lost
 from broker._redis.topology import Topology
 from broker.codec import encode_fields
 from broker.envelope import Envelope, now_ms
@@ -56,10 +56,7 @@ def _fence(token: int | None) -> str:
 
 
 def _lost(source: GroupPartition) -> LeaseLost:
-    return LeaseLost(
-        f"partition {source.partition} of {source.spec.name!r} is owned by another instance of {source.group!r} now "
-        "(this instance's lease expired): nothing was settled; the new owner delivers the entries again"
-    )
+    return lease_lost(source, "nothing was settled; the new owner delivers the entries again")
 
 
 class Settlement(Topology):
