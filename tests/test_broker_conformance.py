@@ -21,6 +21,7 @@ import orjson
 import pytest
 
 from broker import Broker, ConfigurationError, DestinationSpec, EffectsFailed, Envelope, RedisBroker, connect, now_ms
+from broker.codec import encode_fields
 from broker.redis_broker import ROLES
 
 pytestmark = pytest.mark.anyio
@@ -387,6 +388,11 @@ async def test_effects_failing_half_way_are_dead_lettered_once_and_never_applied
     assert fields[b"dlq-error-type"] == b"redis.exceptions.ResponseError"
     assert fields[b"dlq-error-message"].startswith(b"WRONGTYPE")
     assert list(fields).count(b"dlq-reason") == 1
+    # the fields the script fills in: where the entry was, when it died, when it first failed (now:
+    # the message carried no first-failed-at and the caller gave none)
+    assert fields[b"dlq-entry-id"] == d.entry_id.encode()
+    assert abs(int(fields[b"dlq-dead-at"]) - now_ms()) < 60_000
+    assert fields[b"dlq-first-failed-at"] == fields[b"dlq-dead-at"]
     assert (await broker.stream_groups(view.stream))[0]["pending"] == 0  # acked
     assert await broker.redis.xlen(view.stream) == 0  # and deleted (a queue)
     assert await broker.redis.zscore(view.keys.inbox, d.message_id) is None  # lease released, nothing final
@@ -416,6 +422,29 @@ async def test_effects_failing_at_the_first_command_are_dead_lettered_with_nothi
     assert fields[b"dlq-reason"].startswith(b"effects not applied: Redis command 1 of 2 (HSET) failed: WRONGTYPE")
     assert (await broker.stream_groups(view.stream))[0]["pending"] == 0
     assert await broker.redis.zscore(view.keys.inbox, d.message_id) is None
+
+
+async def test_effects_dead_letters_keep_when_the_message_first_failed(broker: Broker, namespace: str) -> None:
+    """A retried copy carries its first failure's time; the dead letter reports it (or the caller's)."""
+    spec = await broker.declare(DestinationSpec("wallet.credit", "command"))
+    [view] = await broker.subscribe(spec, "wallet")
+    wrong = f"{namespace}:{{x}}:not-a-hash"
+    await broker.redis.set(wrong, "a string")
+    flat = encode_fields(command("wallet.credit", 1))  # as retry_later parks a copy: with first-failed-at
+    parked = dict(zip(flat[::2], flat[1::2], strict=True))
+    await broker.redis.xadd(view.stream, {**parked, "first-failed-at": "1700000000000"})
+    await broker.publish([command("wallet.credit", 2)])
+    first, second = await broker.read(view, "a", 10, 10)
+    with pytest.raises(EffectsFailed):
+        await broker.commit_effects(first, [("HSET", wrong, "f", "v")], [wrong])
+    with pytest.raises(EffectsFailed):
+        await broker.commit_effects(
+            second, [("HSET", wrong, "f", "v")], [wrong], reason={"dlq-first-failed-at": "1700000000123"}
+        )
+    letters = {fields[b"dlq-entry-id"]: fields for _, fields in await broker.dead_letter_entries(view)}
+    assert letters[first.entry_id.encode()][b"dlq-first-failed-at"] == b"1700000000000"
+    assert letters[second.entry_id.encode()][b"dlq-first-failed-at"] == b"1700000000123"
+    assert all(list(f).count(b"dlq-first-failed-at") == 1 for f in letters.values())
 
 
 async def test_effects_of_a_deleted_entry_are_dead_lettered_as_empty(broker: Broker, namespace: str) -> None:

@@ -26,7 +26,9 @@ from broker.codec import encode_fields
 from broker.envelope import Envelope, now_ms
 from broker.errors import EffectsConflict, EffectsFailed, LeaseLost
 from broker.headers import (
+    DLQ_DEAD_AT,
     DLQ_DESTINATION,
+    DLQ_ENTRY_ID,
     DLQ_ERROR_MESSAGE,
     DLQ_ERROR_TYPE,
     DLQ_GROUP,
@@ -43,7 +45,8 @@ from broker.wire import Channel
 
 __all__ = ["Settlement"]
 
-_SCRIPT_REASON = (DLQ_REASON, DLQ_ERROR_TYPE, DLQ_ERROR_MESSAGE)  # written by commit_effects.lua itself
+# written by commit_effects.lua itself (first-failed-at too, unless the caller gives it)
+_SCRIPT_REASON = frozenset((DLQ_REASON, DLQ_ERROR_TYPE, DLQ_ERROR_MESSAGE, DLQ_ENTRY_ID, DLQ_DEAD_AT))
 # reason fields sent once per commit_effects.lua call (the same for every message of a source)
 _CALL_REASON = frozenset((DLQ_HANDLER, DLQ_DESTINATION, DLQ_PARTITION, DLQ_GROUP))
 
@@ -131,7 +134,9 @@ class Settlement(Topology):
         Redis cannot roll back, so a command that fails stops the rest (``outgoing`` go after
         ``commands``, so no message is sent) and the commands before it stay applied: running the
         handler again would apply them twice. So the same script call dead-letters the message
-        (its fields, ``reason`` - the base ``dlq-*`` fields the caller builds - and ``dlq-reason``,
+        (its fields, ``reason`` - the ``dlq-*`` fields the caller builds, such as the handler and
+        the attempts - and ``dlq-entry-id``, ``dlq-dead-at``, ``dlq-first-failed-at`` unless
+        ``reason`` gives it (the entry's ``first-failed-at``, else now), ``dlq-reason``,
         ``dlq-error-type``, ``dlq-error-message`` naming the command and the error), acks it,
         releases its inbox lease (a redrive runs the handler again) and drops its attempts
         counter; then :class:`~broker.errors.EffectsFailed` is raised (``applied`` may be 0).

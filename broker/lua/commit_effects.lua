@@ -39,8 +39,9 @@
 --
 -- Redis has no rollback, so a message's commands run with pcall and stop at the first error. The
 -- commands before it stay applied (a retry would apply them twice), so this same call dead-letters
--- the message (its fields, or dlq-empty = 1 if the entry is gone, plus the reason pairs, dlq-reason,
--- dlq-error-type and dlq-error-message), acks it, releases its inbox lease (a redrive runs the
+-- the message (its fields, or dlq-empty = 1 if the entry is gone, plus the reason pairs, dlq-entry-id,
+-- dlq-dead-at (now), dlq-first-failed-at unless a reason pair gives it (the entry's first-failed-at
+-- field, else now), dlq-reason, dlq-error-type and dlq-error-message), acks it, releases its inbox lease (a redrive runs the
 -- handler again) and drops its attempts counter; its outgoing messages are not sent (unless one of
 -- them failed: those before it were). The other messages of the call go on.
 --#include inbox_store
@@ -141,14 +142,31 @@ local function commit(e, bin, was_seen, s)
           ' and are not rolled back (Redis has no rollback)'
       end
       local fields = {}
+      local first_failed = ARGV[3]  -- when it first failed: a retried copy says, else now
       local entry = redis.call('XRANGE', KEYS[1], e.entry, e.entry)
       if #entry > 0 then
-        for _, v in ipairs(entry[1][2]) do fields[#fields + 1] = v end
+        local flat = entry[1][2]
+        for x, v in ipairs(flat) do
+          fields[#fields + 1] = v
+          if x % 2 == 1 and v == 'first-failed-at' then first_failed = flat[x + 1] end
+        end
       else
         fields = {'dlq-empty', '1'}
       end
       for x = 7, 6 + 2 * tonumber(ARGV[6]) do fields[#fields + 1] = ARGV[x] end
-      for x = e.reason, e.reason + 2 * e.r - 1 do fields[#fields + 1] = ARGV[x] end
+      for x = e.reason, e.reason + 2 * e.r - 1, 2 do
+        if ARGV[x] == 'dlq-first-failed-at' then first_failed = nil end  -- the caller's own
+        fields[#fields + 1] = ARGV[x]
+        fields[#fields + 1] = ARGV[x + 1]
+      end
+      fields[#fields + 1] = 'dlq-entry-id'
+      fields[#fields + 1] = e.entry
+      fields[#fields + 1] = 'dlq-dead-at'
+      fields[#fields + 1] = ARGV[3]
+      if first_failed then
+        fields[#fields + 1] = 'dlq-first-failed-at'
+        fields[#fields + 1] = first_failed
+      end
       fields[#fields + 1] = 'dlq-reason'
       fields[#fields + 1] = reason
       fields[#fields + 1] = 'dlq-error-type'

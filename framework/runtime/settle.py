@@ -24,9 +24,10 @@ from typing import Any
 import anyio
 
 from broker import Delivery, EffectsFailed, LeaseLost, now_ms
+from broker import headers as h
 from broker.headers import DELIVER_AT
 from framework.context import Context
-from framework.dead_letters.reasons import base_reason, exception_reason
+from framework.dead_letters.reasons import exception_reason
 from framework.logs import debug_enabled
 from framework.middleware import Outcome
 from framework.observability import hooks
@@ -74,6 +75,7 @@ class Settlement:
         self.handler = wiring.handler
         self.log = wiring.log
         self.debug = debug_enabled()  # a line per message settled
+        self._reasons: dict[int, tuple[Any, dict[str, str]]] = {}  # id(source) -> (source, its reason fields)
 
     def lost(self, ledger: Ledger) -> None:
         """A settle call was fenced: this tenure of the partition is over (the ownership loop logs it)."""
@@ -154,7 +156,7 @@ class Settlement:
                 effects.commands,
                 effects.keys,
                 outgoing,
-                reason=base_reason(self.handler, d, attempt),
+                reason=self._effects_reason(d, attempt),
                 token=ledger.fence,
             )
         except LeaseLost:  # fenced: nothing applied; the partition's new owner runs the message
@@ -189,6 +191,24 @@ class Settlement:
         if self.debug:
             self.log_settled(d, outcome.status, attempt)
         return outcome
+
+    def _effects_reason(self, d: Delivery, attempt: int) -> dict[str, str]:
+        """The dead-letter fields an effects commit needs should its writes fail part-way: those
+        of :func:`~framework.dead_letters.reasons.base_reason` but the ones the script fills in
+        itself (entry id, dead-at, first-failed-at), built once per source."""
+        source = d.source
+        cached = self._reasons.get(id(source))
+        if cached is None or cached[0] is not source:
+            fields = {
+                h.DLQ_HANDLER: self.handler.label,
+                h.DLQ_DESTINATION: source.spec.name,
+                h.DLQ_PARTITION: str(source.partition),
+                h.DLQ_GROUP: source.group,
+            }
+            if len(self._reasons) >= 4096:  # (views come and go with partitions' tenures)
+                self._reasons.clear()
+            cached = self._reasons[id(source)] = (source, fields)
+        return {**cached[1], h.DLQ_ATTEMPTS: str(attempt)}
 
     # -- failure ---------------------------------------------------------------------------------
 
