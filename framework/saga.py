@@ -328,7 +328,9 @@ class Saga(Generic[S]):
         # The commit's version guard checks it as it checks a fresh read (a stale entry conflicts
         # and the step runs again on a fresh read); an entry lives less than keep_completed, so a
         # completed instance's key cannot expire and climb back to a cached version meanwhile.
-        self._cached: OrderedDict[str, tuple[float, int, bytes, bytes]] = OrderedDict()
+        # key -> (use until, version, state, pending timeouts, bytes of their JSON): decoded, so a
+        # step of a kept instance neither reads nor decodes it
+        self._cached: OrderedDict[str, tuple[float, int, Any, dict[str, str], int]] = OrderedDict()
         self._cached_bytes = 0
         self._cache_ttl = min(STATE_CACHE_SECONDS, keep / 2)
 
@@ -445,9 +447,12 @@ class Saga(Generic[S]):
         # an entry back, so a conflict, a failure or an unknown outcome reads afresh next time).
         cached = self._cached.pop(key, None)
         if cached is not None:
-            self._cached_bytes -= len(cached[2]) + len(cached[3])
+            self._cached_bytes -= cached[4]
+        loaded: tuple[Any, dict[str, str]] | None = None
+        state_raw = pending_raw = None
         if cached is not None and cached[0] > time.monotonic():
-            _, version, state_raw, pending_raw = cached
+            _, version, state, pending, _ = cached
+            loaded = (state, pending)  # (the step changes them in place; only a commit that applies keeps them)
             done = False
         else:
             # (sent with the other lanes' reads: one write for many steps)
@@ -457,26 +462,35 @@ class Saga(Generic[S]):
             version = None if version_raw is None else int(version_raw)
         tx = ctx.redis_transaction()
         tx.expect(key, "v", version)  # what follows is decided on this
-        sctx = await self._step(step, source, body, ctx, version, state_raw, pending_raw, bool(done), None)
+        sctx = await self._step(step, source, body, ctx, version, state_raw, pending_raw, bool(done), None, loaded)
         if sctx is not None:
             await self._save(ctx, sctx, key, version or 0)
         elif version is not None and not done:  # ignored: the state stays as it was
-            assert state_raw is not None
-            self._cache_after_commit(tx, key, version, state_raw, pending_raw or b"{}")
+            if loaded is None:
+                assert state_raw is not None
+                pending_raw = pending_raw or b"{}"
+                loaded = (self._load_state(state_raw), orjson.loads(pending_raw))
+                size = len(state_raw) + len(pending_raw)
+            else:
+                size = cached[4]  # type: ignore[index]
+            self._cache_after_commit(tx, key, version, *loaded, size)
 
-    def _cache_after_commit(self, tx: Any, key: str, version: int, state: Any, pending: Any) -> None:
-        """Keep ``key``'s state once the step's commit applied (with the guard passed, it is the stored one)."""
+    def _cache_after_commit(
+        self, tx: Any, key: str, version: int, state: Any, pending: dict[str, str], size: int
+    ) -> None:
+        """Keep ``key``'s state once the step's commit applied (with the guard passed, it is the
+        stored one); ``size``: the bytes of its JSON, counted against the budget."""
 
         def keep() -> None:
             cache = self._cached
             old = cache.pop(key, None)  # (only if another run of the instance went on meanwhile)
             if old is not None:
-                self._cached_bytes -= len(old[2]) + len(old[3])
-            cache[key] = (time.monotonic() + self._cache_ttl, version, state, pending)
-            self._cached_bytes += len(state) + len(pending)
+                self._cached_bytes -= old[4]
+            cache[key] = (time.monotonic() + self._cache_ttl, version, state, pending, size)
+            self._cached_bytes += size
             while len(cache) > STATE_CACHE_SIZE or self._cached_bytes > STATE_CACHE_BYTES:
                 _, dropped = cache.popitem(last=False)
-                self._cached_bytes -= len(dropped[2]) + len(dropped[3])
+                self._cached_bytes -= dropped[4]
 
         tx.after_commit(keep)
 
@@ -509,8 +523,10 @@ class Saga(Generic[S]):
         pending_raw: bytes | str | None,
         done: bool,
         conn: Any,
+        loaded: tuple[Any, dict[str, str]] | None = None,
     ) -> SagaContext[S] | None:
-        """Decide on the loaded instance and run the step; None when the message is ignored."""
+        """Decide on the loaded instance (``loaded``: its state and timeouts decoded already) and
+        run the step; None when the message is ignored."""
         if done:
             log.debug("message for a completed saga ignored", saga=self.label, correlation=ctx.key, input=source)
             return None
@@ -527,6 +543,8 @@ class Saga(Generic[S]):
             version = 0
             state = self.state_type()
             pending: dict[str, str] = {}
+        elif loaded is not None:
+            state, pending = loaded
         else:
             state = self._load_state(state_raw)
             pending = orjson.loads(pending_raw) if pending_raw else {}
@@ -566,7 +584,7 @@ class Saga(Generic[S]):
         state = orjson.dumps(converter.unstructure(sctx.state))
         pending = orjson.dumps(sctx._pending)
         tx.call("HSET", key, "v", new, "s", state, "t", pending)
-        self._cache_after_commit(tx, key, new, state, pending)
+        self._cache_after_commit(tx, key, new, sctx.state, sctx._pending, len(state) + len(pending))
         if sctx._timeouts:
             await self._stage_timeouts(ctx, sctx)
 

@@ -206,7 +206,8 @@ async def test_kept_states_stay_within_their_byte_budget(
             await h.run_until_idle()
     kept = {key.rsplit(":", 1)[1]: entry for key, entry in tally._cached.items()}
     assert list(kept) == ["e", "f", "g", "h"]  # 4 x 9 bytes fit in 40, the older ones were dropped
-    assert tally._cached_bytes == sum(len(e[2]) + len(e[3]) for e in kept.values()) == 36
+    assert tally._cached_bytes == sum(e[4] for e in kept.values()) == 36
+    assert [e[2] for e in kept.values()] == [{"n": 1}] * 4  # kept decoded: the next step neither reads nor decodes
 
 
 # -- starts=False, cancelled timeouts, sync steps, refused delays ------------------------------------
