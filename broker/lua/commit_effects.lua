@@ -41,9 +41,9 @@
 -- commands before it stay applied (a retry would apply them twice), so this same call dead-letters
 -- the message (its fields, or dlq-empty = 1 if the entry is gone, plus the reason pairs, dlq-entry-id,
 -- dlq-dead-at (now), dlq-first-failed-at unless a reason pair gives it (the entry's first-failed-at
--- field, else now), dlq-reason, dlq-error-type and dlq-error-message), acks it, releases its inbox lease (a redrive runs the
--- handler again) and drops its attempts counter; its outgoing messages are not sent (unless one of
--- them failed: those before it were). The other messages of the call go on.
+-- field, else now), dlq-reason, dlq-error-type and dlq-error-message), acks it, releases its inbox
+-- lease (a redrive runs the handler again) and drops its attempts counter; its outgoing messages are
+-- not sent (unless one of them failed: those before it were). The other messages of the call go on.
 --#include inbox_store
 if ARGV[4] ~= '' and redis.call('HGET', KEYS[5], 'token') ~= ARGV[4] then return -1 end  -- fenced: no effect
 -- unpack() below fails past about 8000 values (Lua's C stack), which would stop the script after
