@@ -450,8 +450,9 @@ class Saga(Generic[S]):
             self._cached_bytes -= cached[4]
         loaded: tuple[Any, dict[str, str]] | None = None
         state_raw = pending_raw = None
+        size = 0  # bytes of the kept state's JSON
         if cached is not None and cached[0] > time.monotonic():
-            _, version, state, pending, _ = cached
+            _, version, state, pending, size = cached
             loaded = (state, pending)  # (the step changes them in place; only a commit that applies keeps them)
             done = False
         else:
@@ -471,8 +472,6 @@ class Saga(Generic[S]):
                 pending_raw = pending_raw or b"{}"
                 loaded = (self._load_state(state_raw), orjson.loads(pending_raw))
                 size = len(state_raw) + len(pending_raw)
-            else:
-                size = cached[4]  # type: ignore[index]
             self._cache_after_commit(tx, key, version, *loaded, size)
 
     def _cache_after_commit(
