@@ -19,7 +19,7 @@ from broker.errors import (
 )
 from broker.ids import derive_id, id_time_ms, new_id
 from broker.keys import GroupKeys, KeySpace, PartitionKeys
-from broker.protocol import Broker, Delivery, GroupPartition, Start
+from broker.protocol import Broker, Delivery, GroupPartition, GuardedWrite, Start
 from broker.redis_broker import RedisBroker
 from broker.topology import DEFAULT_RETENTION_MS, DestinationSpec, validate_name
 
@@ -40,6 +40,7 @@ __all__ = [
     "Envelope",
     "GroupKeys",
     "GroupPartition",
+    "GuardedWrite",
     "KeySpace",
     "Kind",
     "MessageTooLarge",

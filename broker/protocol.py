@@ -60,6 +60,7 @@ __all__ = [
     "Extension",
     "GroupPartition",
     "GroupReader",
+    "GuardedWrite",
     "Publisher",
     "Scheduler",
     "Settler",
@@ -88,6 +89,35 @@ class GroupPartition:
         return stream != self.keys.partition.stream or not self.spec.is_topic
 
 
+class GuardedWrite:
+    """Hash fields written atomically with a delivery's ack (:meth:`Settler.ack`), only if the
+    hash's ``guard`` field still holds ``expected`` ('' = absent) and the message was neither
+    processed before nor settled already.
+
+    ``outcome`` is set by the ack: :data:`APPLIED`, :data:`SKIPPED` (a duplicate, or the entry no
+    longer pending: nothing written, the entry acknowledged as usual), :data:`CONFLICT` (the guard
+    failed) or :data:`FAILED` (the server refused the write: ``error`` says why); on the last two
+    nothing is written and the entry is **not** acknowledged (it stays pending). ``note`` is the
+    caller's own (the broker never reads it).
+    """
+
+    __slots__ = ("error", "expected", "fields", "guard", "key", "note", "outcome")
+
+    APPLIED = 1
+    SKIPPED = 0
+    CONFLICT = -2
+    FAILED = -3
+
+    def __init__(self, key: str, guard: str, expected: str, fields: Sequence[Any], note: Any = None) -> None:
+        self.key = key
+        self.guard = guard
+        self.expected = expected
+        self.fields = fields  # field, value, field, value, ...
+        self.note = note
+        self.outcome: int | None = None  # None until an ack call ran it
+        self.error = ""
+
+
 @attrs.define(slots=True)
 class Delivery:
     """One delivery of a stream entry to a consumer of a group.
@@ -104,6 +134,7 @@ class Delivery:
     envelope: Envelope | None
     error: str | None = None
     delivery_count: int = 1
+    settle_write: GuardedWrite | None = None  # written with the ack (see GuardedWrite), set by the runtime
 
     @property
     def fields(self) -> dict[bytes, bytes]:
@@ -311,6 +342,8 @@ class Settler(Protocol):
     ) -> int:
         """Acknowledge deliveries (one round trip); with ``inbox``, record their ids as processed.
 
+        A delivery with a ``settle_write`` has it applied in the same atomic step, guarded (see
+        :class:`GuardedWrite`; its ``outcome`` is set); one whose guard fails is not acknowledged.
         Returns how many were still pending (acknowledged now).
         """
         ...

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
 from typing import Any
 
-from broker import COMMAND, EVENT, Delivery, Envelope, derive_id
+from broker import COMMAND, EVENT, Delivery, Envelope, GuardedWrite, derive_id
 from broker.codec import check_body_size
 from broker.headers import CAUSATION_ID, CORRELATION_ID
 from framework._messages import Outgoing, build_envelope
@@ -45,11 +45,14 @@ class Context:
     """
 
     __slots__ = (
+        "_ack_write",
         "_broker",
         "_delivery",
         "_duplicate",
         "_effects",
         "_extra_headers",
+        "_fence",
+        "_flush",
         "_handler",
         "_outgoing",
         "_sql_done",
@@ -58,7 +61,15 @@ class Context:
         "attempt",
     )
 
-    def __init__(self, delivery: Delivery, handler: Handler, attempt: int, broker: Any = None) -> None:
+    def __init__(
+        self,
+        delivery: Delivery,
+        handler: Handler,
+        attempt: int,
+        broker: Any = None,
+        fence: int | None = None,
+        flush: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self._delivery = delivery
         self._handler = handler
         self._outgoing: list[Outgoing] = []
@@ -69,6 +80,9 @@ class Context:
         self._sql_done = False  # a SQL transaction of this run committed
         self._sql_error: BaseException | None = None  # a SQL block of this run did not commit
         self._extra_headers: dict[str, str] | None = None  # set by middleware for every outgoing message
+        self._fence = fence  # the partition tenure's fencing token (None: the partition is not owned)
+        self._flush = flush  # settles the lane's finished runs and sends the queued acks now (in a worker)
+        self._ack_write: GuardedWrite | None = None  # written with the ack (a saga step's state)
         self.attempt = attempt
         """This attempt's number (1 for the first), counting retries and crash redeliveries."""
 
@@ -183,6 +197,7 @@ class Context:
         del self._outgoing[mark[0] :]
         self._staged = mark[1]
         self._effects = None
+        self._ack_write = None
         self._duplicate = self._sql_done = False
         self._sql_error = None
 

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import anyio
 import orjson
 
-from broker import COMMAND, derive_id
+from broker import COMMAND, GuardedWrite, derive_id
 from broker.codec import encode_fields
 from broker.errors import EffectsConflict
 from broker.headers import CAUSATION_ID, CORRELATION_ID, DELIVER_AT
@@ -97,6 +97,25 @@ STATE_CACHE_BYTES = 32 * 2**20
 
 STATE_CACHE_SECONDS = 30.0
 """How long a kept state is used (at most half of ``keep_completed``) before it is read again."""
+
+
+class _Ticket:
+    """The outcome of one state write sent with the acks (see :meth:`Saga._run_redis`): the ack
+    calls it with the write once the server ran it (or refused the call)."""
+
+    __slots__ = ("done", "key", "ok", "saga")
+
+    def __init__(self, saga: Saga[Any], key: str) -> None:
+        self.saga = saga
+        self.key = key
+        self.done = False
+        self.ok = False
+
+    def __call__(self, write: GuardedWrite) -> None:
+        self.done = True
+        self.ok = write.outcome == GuardedWrite.APPLIED
+        if not self.ok:
+            self.saga._write_not_applied(self.key)
 
 
 class SagaError(Exception):
@@ -324,15 +343,21 @@ class Saga(Generic[S]):
         self._timeout_steps: dict[str, _Step] = {}  # payload type name -> step
         self._retry = _saga_policy(retry or service.retry)
         self._state_decode = decoder_for(state) if isinstance(state, type) else None
-        # Redis state of instances this process saved last: (valid until, version, state, timeouts).
-        # The commit's version guard checks it as it checks a fresh read (a stale entry conflicts
-        # and the step runs again on a fresh read); an entry lives less than keep_completed, so a
-        # completed instance's key cannot expire and climb back to a cached version meanwhile.
-        # key -> (use until, version, state, pending timeouts, bytes of their JSON): decoded, so a
-        # step of a kept instance neither reads nor decodes it
-        self._cached: OrderedDict[str, tuple[float, int, Any, dict[str, str], int]] = OrderedDict()
+        # Redis state of instances this process saved last: (valid until, version, state, timeouts,
+        # bytes of their JSON, fencing token of the tenure that saved it, the ticket of its write
+        # when that was sent with the acks). The commit's version guard checks it as it checks a
+        # fresh read (a stale entry conflicts and the step runs again on a fresh read); an entry
+        # lives less than keep_completed, so a completed instance's key cannot expire and climb back
+        # to a cached version meanwhile. Decoded, so a step of a kept instance neither reads nor decodes it.
+        self._cached: OrderedDict[str, tuple[float, int, Any, dict[str, str], int, int | None, _Ticket | None]] = (
+            OrderedDict()
+        )
         self._cached_bytes = 0
         self._cache_ttl = min(STATE_CACHE_SECONDS, keep / 2)
+        # instances whose state write sent with the acks was not applied: their next step commits
+        # by the general path (which dead-letters a write the server refuses, with the reason)
+        self._careful: OrderedDict[str, None] = OrderedDict()
+        self._prefixes: dict[tuple[str, int], str] = {}  # (namespace, partition) -> the state keys' prefix
 
         async def step(body: bytes, ctx: Context) -> None:
             await self._run(body, ctx)
@@ -423,8 +448,13 @@ class Saga(Generic[S]):
 
     def state_key(self, ctx: Context) -> str:
         """The instance's state hash (under the saga queue partition's hash tag)."""
-        stream = ctx._broker.keyspace.partition(self.queue.name, ctx.partition).stream
-        return f"{stream}:saga:{ctx.key}"
+        keyspace = ctx._broker.keyspace
+        partition = ctx.partition
+        prefix = self._prefixes.get((keyspace.namespace, partition))
+        if prefix is None:
+            stream = keyspace.partition(self.queue.name, partition).stream
+            prefix = self._prefixes[(keyspace.namespace, partition)] = f"{stream}:saga:"
+        return prefix + (ctx.key or "")
 
     async def _run(self, body: bytes, ctx: Context) -> None:
         source = ctx.headers.get(SAGA_INPUT, "")
@@ -443,53 +473,138 @@ class Saga(Generic[S]):
 
     async def _run_redis(self, step: _Step, source: str, body: bytes, ctx: Context) -> None:
         key = self.state_key(ctx)
-        # The state this process saved last, if recent (taken out: only a commit that applies puts
-        # an entry back, so a conflict, a failure or an unknown outcome reads afresh next time).
+        fence = ctx._fence
+        # The state this process saved last, if recent and saved in this tenure of the partition
+        # (taken out: it is put back once this step's outcome is decided).
         cached = self._cached.pop(key, None)
+        ticket: _Ticket | None = None  # of the instance's last state write sent with the acks
         if cached is not None:
             self._cached_bytes -= cached[4]
+            if cached[5] == fence:
+                ticket = cached[6]
         loaded: tuple[Any, dict[str, str]] | None = None
         state_raw = pending_raw = None
         size = 0  # bytes of the kept state's JSON
-        if cached is not None and cached[0] > time.monotonic():
-            _, version, state, pending, size = cached
-            loaded = (state, pending)  # (the step changes them in place; only a commit that applies keeps them)
+        if cached is not None and cached[0] > time.monotonic() and cached[5] == fence:
+            _, version, state, pending, size, _, _ = cached
+            loaded = (state, pending)  # (the step changes them in place)
             done = False
         else:
+            if ticket is not None and not ticket.done:
+                await ctx._flush()  # read after this process's own last write of it, not before
+            ticket = None
             # (sent with the other lanes' reads: one write for many steps)
             version_raw, state_raw, pending_raw, done = await ctx._broker.read_shared(
                 "HMGET", key, "v", "s", "t", "done"
             )
             version = None if version_raw is None else int(version_raw)
-        tx = ctx.redis_transaction()
-        tx.expect(key, "v", version)  # what follows is decided on this
-        sctx = await self._step(step, source, body, ctx, version, state_raw, pending_raw, bool(done), None, loaded)
+        try:
+            sctx = await self._step(step, source, body, ctx, version, state_raw, pending_raw, bool(done), None, loaded)
+        except BaseException:
+            if ticket is not None and not ticket.done:  # (the state was changed in place: not kept, but
+                self._keep_state(key, 0, None, {}, 0, fence, ticket, until=0.0)  # the next read waits for the write)
+            raise
+        # Owned partition (a fencing token): only this process writes the instance in this tenure,
+        # so a step that only changes the state needs no commit of its own: the write goes with the
+        # ack (guarded by the version all the same) and the next step starts on the state kept here.
+        fast = (
+            fence is not None
+            and ctx._flush is not None
+            and ctx._effects is None
+            and not ctx._outgoing
+            and key not in self._careful
+        )
         if sctx is not None:
+            if fast and not sctx._timeouts and not sctx.completed:
+                self._save_with_ack(ctx, sctx, key, version or 0)
+                return
+            if ticket is not None:
+                if not ticket.done:
+                    await ctx._flush()  # its previous state write first (this commit builds on it)
+                if not ticket.ok:  # (the tenure is over: this run commits nothing, the next tenure runs it)
+                    raise EffectsConflict(f"saga {self.label}: the instance's previous state write was not applied")
+            tx = ctx.redis_transaction()
+            tx.expect(key, "v", version)  # what the step decided is decided on this version
             await self._save(ctx, sctx, key, version or 0)
-        elif version is not None and not done:  # ignored: the state stays as it was
-            if loaded is None:
-                assert state_raw is not None
-                pending_raw = pending_raw or b"{}"
-                loaded = (self._load_state(state_raw), orjson.loads(pending_raw))
-                size = len(state_raw) + len(pending_raw)
-            self._cache_after_commit(tx, key, version, *loaded, size)
+            return
+        if version is None or done:  # ignored: nothing to keep
+            if not fast:
+                ctx.redis_transaction().expect(key, "v", version)
+            return
+        # ignored: the state stays as it was
+        if loaded is None:
+            assert state_raw is not None
+            pending_raw = pending_raw or b"{}"
+            loaded = (self._load_state(state_raw), orjson.loads(pending_raw))
+            size = len(state_raw) + len(pending_raw)
+        if fast:
+            self._keep_state(key, version, *loaded, size, fence, ticket)
+        else:
+            tx = ctx.redis_transaction()
+            tx.expect(key, "v", version)
+            self._cache_after_commit(tx, key, version, *loaded, size, fence)
+
+    def _save_with_ack(self, ctx: Context, sctx: SagaContext[S], key: str, version: int) -> None:
+        """Save the state with the message's ack (see :class:`~broker.GuardedWrite`), guarded by
+        ``version``, and keep it for the instance's next step at once."""
+        new = version + 1
+        state = _state_json(sctx.state)
+        pending = orjson.dumps(sctx._pending)
+        ticket = _Ticket(self, key)
+        ctx._ack_write = GuardedWrite(
+            key, "v", str(version) if version else "", ("v", new, "s", state, "t", pending), ticket
+        )
+        self._keep_state(key, new, sctx.state, sctx._pending, len(state) + len(pending), ctx._fence, ticket)
+
+    def _write_not_applied(self, key: str) -> None:
+        """A state write sent with the acks was not applied (the settle stage logs why): what is kept
+        for the instance may build on it, so it goes; the instance's next step reads and commits by
+        the general path."""
+        cached = self._cached.get(key)
+        if cached is not None:
+            del self._cached[key]
+            self._cached_bytes -= cached[4]
+        careful = self._careful
+        careful[key] = None
+        while len(careful) > STATE_CACHE_SIZE:
+            careful.popitem(last=False)
+
+    def _keep_state(
+        self,
+        key: str,
+        version: int,
+        state: Any,
+        pending: dict[str, str],
+        size: int,
+        fence: int | None,
+        ticket: _Ticket | None,
+        *,
+        until: float | None = None,
+    ) -> None:
+        """Keep ``key``'s state as saved at ``version`` (``size``: the bytes of its JSON, counted
+        against the budget) by the tenure of ``fence``, usable ``until`` (monotonic; default: the
+        cache's lifetime from now; 0: not usable, only ``ticket`` is kept for the next read to wait for)."""
+        cache = self._cached
+        old = cache.pop(key, None)  # (only if another run of the instance went on meanwhile)
+        if old is not None:
+            self._cached_bytes -= old[4]
+        if until is None:
+            until = time.monotonic() + self._cache_ttl
+        cache[key] = (until, version, state, pending, size, fence, ticket)
+        self._cached_bytes += size
+        while len(cache) > STATE_CACHE_SIZE or self._cached_bytes > STATE_CACHE_BYTES:
+            _, dropped = cache.popitem(last=False)
+            self._cached_bytes -= dropped[4]
 
     def _cache_after_commit(
-        self, tx: Any, key: str, version: int, state: Any, pending: dict[str, str], size: int
+        self, tx: Any, key: str, version: int, state: Any, pending: dict[str, str], size: int, fence: int | None
     ) -> None:
         """Keep ``key``'s state once the step's commit applied (with the guard passed, it is the
         stored one); ``size``: the bytes of its JSON, counted against the budget."""
 
         def keep() -> None:
-            cache = self._cached
-            old = cache.pop(key, None)  # (only if another run of the instance went on meanwhile)
-            if old is not None:
-                self._cached_bytes -= old[4]
-            cache[key] = (time.monotonic() + self._cache_ttl, version, state, pending, size)
-            self._cached_bytes += size
-            while len(cache) > STATE_CACHE_SIZE or self._cached_bytes > STATE_CACHE_BYTES:
-                _, dropped = cache.popitem(last=False)
-                self._cached_bytes -= dropped[4]
+            self._careful.pop(key, None)
+            self._keep_state(key, version, state, pending, size, fence, None)
 
         tx.after_commit(keep)
 
@@ -580,10 +695,10 @@ class Saga(Generic[S]):
             tx.call("HSET", key, "v", new, "done", 1)
             tx.call("PEXPIRE", key, self.keep_completed_ms)
             return
-        state = orjson.dumps(converter.unstructure(sctx.state))
+        state = _state_json(sctx.state)
         pending = orjson.dumps(sctx._pending)
         tx.call("HSET", key, "v", new, "s", state, "t", pending)
-        self._cache_after_commit(tx, key, new, sctx.state, sctx._pending, len(state) + len(pending))
+        self._cache_after_commit(tx, key, new, sctx.state, sctx._pending, len(state) + len(pending), ctx._fence)
         if sctx._timeouts:
             await self._stage_timeouts(ctx, sctx)
 
@@ -617,6 +732,17 @@ class Saga(Generic[S]):
         return build_envelope(
             destination, COMMAND, payload, key=sctx.correlation, headers=headers, message_id=timeout_id
         )
+
+
+def _state_json(state: Any) -> bytes:
+    """A state's JSON: a ``dict`` of types orjson writes itself as orjson writes it (what the payload
+    converter would give for them), anything else through the converter."""
+    if type(state) is dict:
+        try:
+            return orjson.dumps(state)
+        except TypeError:  # (sets, bytes, attrs instances, non-str keys...: the converter knows them)
+            pass
+    return orjson.dumps(converter.unstructure(state))
 
 
 def _type_label(tp: Any) -> str:

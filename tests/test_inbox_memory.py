@@ -44,7 +44,7 @@ async def record(broker: RedisBroker, view: GroupPartition, ids: list[str]) -> N
     """Make ``ids`` final the way an ack does (ack.lua; the entry id is a stand-in)."""
     for i in range(0, len(ids), 1000):
         chunk = ids[i : i + 1000]
-        args = [view.group, "0", now_ms(), 1, len(chunk), 0, "0-1", *chunk, inbox_records(chunk)]
+        args = [view.group, "0", now_ms(), 1, len(chunk), 0, "0-1", *chunk, inbox_records(chunk), 0]
         await broker.scripts["ack"](broker.redis, [view.stream, view.keys.inbox, view.keys.attempts], args)
 
 

@@ -20,7 +20,7 @@ import orjson
 import pytest
 import redis
 
-from broker import DestinationSpec, Envelope, RedisBroker, new_id
+from broker import DestinationSpec, Envelope, GuardedWrite, LeaseLost, RedisBroker, new_id
 from broker.errors import EffectsConflict
 from broker.keys import KeySpace
 from framework import Client, HandlerError, Service, SyncClient
@@ -76,6 +76,66 @@ async def test_a_commit_whose_version_moved_on_writes_sends_and_acks_nothing(bro
     with pytest.raises(EffectsConflict):
         await broker.commit_effects(d2, tx.commands, tx.keys)
     assert await broker.redis.hget(state, "v") == b"3"
+
+
+@pytest.mark.anyio
+async def test_state_writes_sent_with_the_acks_are_guarded_and_hold_back_what_they_do_not_write(
+    broker: RedisBroker,
+) -> None:
+    """``ack`` with guarded writes (how a saga step on an owned partition saves its state): a write
+    whose guard holds is applied with the ack; a failed guard or a refused write leaves its message
+    pending and out of the inbox; a duplicate or an entry no longer pending is acked without its
+    write, so an ack repeated after a lost reply writes nothing again; a fenced call writes nothing."""
+    spec = await broker.declare(DestinationSpec("saga.acked", "command"))
+    [view] = await broker.subscribe(spec, "g")
+    envs = [Envelope(destination="saga.acked", kind="command", type="t", body=b"{}", id=new_id()) for _ in range(4)]
+    await broker.publish(envs)
+    ds = await broker.read(view, "c", 10, 10)
+    assert len(ds) == 4
+    keys = [f"{view.stream}:saga:o-{i}" for i in range(4)]
+    await broker.redis.hset(keys[1], "v", 5)  # moved on: d1's guard (absent) fails
+    await broker.redis.set(keys[3], "not a hash")  # d3's write is refused (WRONGTYPE)
+    for d, key in zip(ds, keys, strict=True):
+        d.settle_write = GuardedWrite(key, "v", "", ("v", 1, "s", b'{"n": 1}'))
+    assert await broker.ack(view, ds, inbox=True) == 2
+    outcomes = [d.settle_write.outcome for d in ds if d.settle_write is not None]
+    assert outcomes == [GuardedWrite.APPLIED, GuardedWrite.CONFLICT, GuardedWrite.APPLIED, GuardedWrite.FAILED]
+    assert "WRONGTYPE" in ds[3].settle_write.error  # type: ignore[union-attr]
+    assert await broker.redis.hgetall(keys[0]) == {b"v": b"1", b"s": b'{"n": 1}'}
+    assert await broker.redis.hgetall(keys[1]) == {b"v": b"5"}
+    pending = await broker.redis.execute_command("XPENDING", view.stream, "g", "-", "+", 10)
+    assert sorted(row[0].decode() for row in pending) == sorted([ds[1].entry_id, ds[3].entry_id])
+    # held back: not recorded as processed (1: processed, 0: new, leased to the caller)
+    assert await broker.inbox_claim(view, ds, 60_000) == [1, 0, 1, 0]
+
+    # The same ack again (its reply was lost): the applied entries are no longer pending, so
+    # nothing is written twice; d1 with its guard now right is applied.
+    await broker.redis.hset(keys[0], "s", "after")
+    ds[1].settle_write = GuardedWrite(keys[1], "v", "5", ("v", 6))
+    await broker.ack(view, ds[:3], inbox=True)
+    assert [d.settle_write.outcome for d in ds[:3]] == [  # type: ignore[union-attr]
+        GuardedWrite.SKIPPED,
+        GuardedWrite.APPLIED,
+        GuardedWrite.SKIPPED,
+    ]
+    assert await broker.redis.hget(keys[0], "s") == b"after"
+    assert await broker.redis.hget(keys[1], "v") == b"6"
+
+    # A duplicate (its message id already processed) is acked without its write.
+    await broker.publish([Envelope(destination="saga.acked", kind="command", type="t", body=b"{}", id=envs[0].id)])
+    [dup] = await broker.read(view, "c", 10, 10)
+    dup.settle_write = GuardedWrite(keys[0], "v", "1", ("v", 2))
+    assert await broker.ack(view, [dup], inbox=True) == 1
+    assert dup.settle_write.outcome == GuardedWrite.SKIPPED
+    assert await broker.redis.hget(keys[0], "v") == b"1"
+
+    # Fenced: a stale token writes and acks nothing.
+    token = await broker.acquire_lease(view, "me", 5_000)
+    ds[3].settle_write = GuardedWrite(keys[2], "v", "1", ("v", 99))
+    with pytest.raises(LeaseLost):
+        await broker.ack(view, [ds[3]], inbox=True, token=token + 1)
+    assert ds[3].settle_write.outcome is None
+    assert await broker.redis.hget(keys[2], "v") == b"1"
 
 
 def test_conflicts_are_retried_at_once_and_never_dead_letter_the_step() -> None:
@@ -208,6 +268,143 @@ async def test_kept_states_stay_within_their_byte_budget(
     assert list(kept) == ["e", "f", "g", "h"]  # 4 x 9 bytes fit in 40, the older ones were dropped
     assert tally._cached_bytes == sum(e[4] for e in kept.values()) == 36
     assert [e[2] for e in kept.values()] == [{"n": 1}] * 4  # kept decoded: the next step neither reads nor decodes
+
+
+# -- owned partitions: the state saved with the ack --------------------------------------------------
+
+journals = Service("journals")
+journal = journals.saga("journal", state=dict, partitions=2)  # owned: one worker per partition
+
+
+@journal.command("journal.add", correlate=lambda c: c["k"])
+async def journal_add(cmd: dict, ctx: SagaContext[dict]) -> None:
+    ctx.state.setdefault("seq", []).append(cmd["s"])
+    if cmd.get("fail") and ctx.context.attempt == 1:
+        raise RuntimeError("fails once")  # retried: its state change must not be kept or saved
+
+
+def _journal_key(h: ServiceHarness, k: str) -> str:
+    p = journal.queue.spec().partition_for(k, "")
+    return f"{h.broker.keyspace.partition(journal.queue.name, p).stream}:saga:{k}"
+
+
+@pytest.mark.anyio
+async def test_steps_on_owned_partitions_save_their_state_with_the_acks(redis_url: str, namespace: str) -> None:
+    """On an owned partition a step that only changes its state saves it with the message's ack (no
+    effects commit of its own), and the instance's next step starts from the state kept: every
+    message applied once and in order per instance, a failed attempt's change neither kept nor saved."""
+    journal._cached.clear()
+    journal._cached_bytes = 0
+    async with ServiceHarness([journals], url=redis_url, namespace=namespace) as h:
+        batch = [{"k": f"k{i % 3}", "s": i, "fail": i == 7} for i in range(90)]
+        async with h.client.batch() as b:
+            for cmd in batch:
+                b.send("journal.add", cmd, key=cmd["k"])
+        await h.run_until_idle()
+        for k in ("k0", "k1", "k2"):
+            state = orjson.loads(await h.broker.redis.hget(_journal_key(h, k), "s"))
+            assert state == {"seq": [c["s"] for c in batch if c["k"] == k]}, k
+            assert await h.broker.redis.hget(_journal_key(h, k), "v") == b"30"
+        commits = h.broker._commits
+        assert commits is None or commits.calls == 0  # every state went with an ack
+        stats = h.stats()["journals.saga_journal"]
+        assert stats["processed"] == 90 and stats["failed"] == 1, stats
+
+
+@pytest.mark.anyio
+async def test_a_state_write_with_the_ack_that_conflicts_leaves_its_message_to_run_again(
+    redis_url: str, namespace: str
+) -> None:
+    """Should another process have saved the instance since (it cannot while this one owns the
+    partition; a test can), the write sent with the ack fails its version guard: nothing is
+    written, the message stays pending and runs again, on the stored state."""
+    journal._cached.clear()
+    journal._cached_bytes = 0
+    async with ServiceHarness([journals], url=redis_url, namespace=namespace) as h:
+        await h.client.send("journal.add", {"k": "a", "s": 1}, key="a")
+        await h.run_until_idle()
+        key = _journal_key(h, "a")
+        assert await h.broker.redis.hget(key, "v") == b"1"
+        await h.broker.redis.hset(key, mapping={"v": 7, "s": orjson.dumps({"seq": [0, 1]})})
+        await h.client.send("journal.add", {"k": "a", "s": 2}, key="a")  # runs on the kept version 1
+        with anyio.fail_after(30):
+            while await h.broker.redis.hget(key, "v") != b"8":
+                await anyio.sleep(0.05)
+        await h.run_until_idle()
+        assert orjson.loads(await h.broker.redis.hget(key, "s")) == {"seq": [0, 1, 2]}
+        assert h.stats()["journals.saga_journal"]["retried"] >= 1
+        await h.client.send("journal.add", {"k": "a", "s": 3}, key="a")
+        await h.run_until_idle()
+        assert orjson.loads(await h.broker.redis.hget(key, "s")) == {"seq": [0, 1, 2, 3]}
+        assert await h.broker.redis.hget(key, "v") == b"9"
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_states_saved_with_the_acks_survive_kills_and_a_worker_paused_past_its_lease(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    """3 workers of tests/apps/journalapp.py (a saga on 4 owned partitions whose steps append their
+    message's number to the instance's list, each saved with the message's ack), 40 instances,
+    4,000 messages and 400 duplicates sent while a worker is SIGKILLed, another SIGSTOPped past its
+    lease and resumed (its queued acks and their writes are fenced), and one killed again: every
+    instance's list ends exactly 0, 1, 2, ...: nothing lost, applied twice or out of order."""
+    from tests.apps.journalapp import APPEND, journal
+
+    opts = ("--lease-ttl", "2", "--concurrency", "16", "--shutdown-timeout", "5")
+    procs = {f"w{i}": workers.start("journalapp:ledger", f"w{i}", *opts) for i in range(3)}
+    for name in procs:
+        wait_for(lambda name=name: "runtime started" in workers.log(name), 30, f"{name} to start")
+    rng = random.Random(5)
+    keys = [f"j{i}" for i in range(40)]
+    seq = dict.fromkeys(keys, 0)
+    sent_ids: list[tuple[str, dict[str, Any]]] = []
+    paused: tuple[str, float] | None = None
+    with SyncClient(redis_url, namespace=namespace) as client:
+        for rnd in range(40):
+            batch = []
+            for _ in range(100):
+                k = rng.choice(keys)
+                batch.append({"k": k, "s": seq[k]})
+                seq[k] += 1
+            ids = client.send_many(APPEND, batch, key=lambda c: c["k"])
+            sent_ids += zip(ids, batch, strict=True)
+            for mid, cmd in rng.sample(sent_ids, 10):  # duplicates of messages sent so far
+                client.send(APPEND, cmd, key=cmd["k"], message_id=mid)
+            if rnd in (4, 32):
+                victim = rng.choice([n for n in procs if paused is None or n != paused[0]])
+                procs[victim].send_signal(signal.SIGKILL)
+                procs[victim].wait()
+                procs[victim] = workers.start("journalapp:ledger", victim, *opts)
+            if rnd == 8:
+                name = rng.choice(list(procs))
+                procs[name].send_signal(signal.SIGSTOP)
+                paused = (name, time.monotonic())
+            if paused is not None and time.monotonic() - paused[1] > 2 + 3:
+                procs[paused[0]].send_signal(signal.SIGCONT)
+                resumed = paused[0]
+                wait_for(lambda n=resumed: "lost ownership of a partition" in workers.log(n), 15, "the resumed loss")
+                paused = None
+            time.sleep(0.25)
+    if paused is not None:
+        procs[paused[0]].send_signal(signal.SIGCONT)
+    r = redis.Redis.from_url(redis_url)
+    space = KeySpace(namespace)
+
+    def lists() -> dict[str, list[int]]:
+        out = {}
+        for k in keys:
+            p = journal.queue.spec().partition_for(k, "")
+            raw = r.hget(f"{space.partition(journal.queue.name, p).stream}:saga:{k}", "s")
+            out[k] = orjson.loads(raw)["seq"] if raw else []
+        return out
+
+    wait_for(lambda: all(len(v) >= seq[k] for k, v in lists().items()), 60, "every message to be applied")
+    time.sleep(1)  # anything still in flight (a duplicate) has settled
+    got = lists()
+    wrong = {k: v for k, v in got.items() if v != list(range(seq[k]))}
+    assert wrong == {}, {k: [(i, x) for i, x in enumerate(v) if x != i][:6] for k, v in wrong.items()}
+    r.close()
 
 
 # -- starts=False, cancelled timeouts, sync steps, refused delays ------------------------------------

@@ -39,7 +39,7 @@ from broker.headers import (
     IDEMPOTENCY_KEY,
 )
 from broker.keys import inbox_record, inbox_records
-from broker.protocol import Delivery, GroupPartition
+from broker.protocol import Delivery, GroupPartition, GuardedWrite
 from broker.topology import DestinationSpec
 from broker.wire import Channel
 
@@ -49,6 +49,10 @@ __all__ = ["Settlement"]
 _SCRIPT_REASON = frozenset((DLQ_REASON, DLQ_ERROR_TYPE, DLQ_ERROR_MESSAGE, DLQ_ENTRY_ID, DLQ_DEAD_AT))
 # reason fields sent once per commit_effects.lua call (the same for every message of a source)
 _CALL_REASON = frozenset((DLQ_HANDLER, DLQ_DESTINATION, DLQ_PARTITION, DLQ_GROUP))
+
+_WRITE_CHUNK = 250
+"""Entries per ack call when some carry guarded writes (each write is a few server calls: the
+script blocks the server while it runs)."""
 
 _FENCED = -1  # what a settle script returns when the caller's fencing token is no longer current
 _CONFLICT = -2  # what commit_effects.lua returns when a guard (RedisEffects.expect) failed
@@ -76,21 +80,29 @@ class Settlement(Topology):
     ) -> int:
         """Acknowledge deliveries in one round trip; with ``inbox`` also record their message ids.
 
+        A delivery's ``settle_write`` (:class:`~broker.protocol.GuardedWrite`) is applied in the same
+        script call, its ``outcome`` set; a delivery whose write was not applied for its guard or a
+        refusal stays pending (not acknowledged, not recorded in the inbox).
         Raises :class:`~broker.errors.LeaseLost` when ``token`` is no longer current (nothing acked)."""
         if not deliveries:
             return 0
         by_stream: dict[str, list[Delivery]] = defaultdict(list)
+        writing = False
         for d in deliveries:
             by_stream[d.stream].append(d)
+            if d.settle_write is not None:
+                writing = True
         now = now_ms()
         calls: list[ScriptCall] = []
         keys = source.keys
         script_keys = [keys.inbox, keys.attempts, keys.lease]
         fence = _fence(token)
+        chunk_size = _WRITE_CHUNK if writing else SCRIPT_CHUNK
+        written: list[list[GuardedWrite]] = []  # per call, its writes in order
         for stream, items in by_stream.items():
             delete = "1" if source.deletes_on_ack(stream) else "0"
-            for i in range(0, len(items), SCRIPT_CHUNK):
-                chunk = items[i : i + SCRIPT_CHUNK]
+            for i in range(0, len(items), chunk_size):
+                chunk = items[i : i + chunk_size]
                 marks = [d.envelope.id for d in chunk if d.envelope is not None] if inbox else []
                 counters = [d.envelope.id for d in chunk if d.delivery_count > 1 and d.envelope is not None]
                 args: list[Any] = [
@@ -104,12 +116,37 @@ class Settlement(Topology):
                     *marks,
                     inbox_records(marks),
                     *counters,
-                    fence,
                 ]
-                calls.append(("ack", [stream, *script_keys], args))
-        replies = [
-            int(r) for r in await (self._run_on(channel, calls) if channel is not None else self._run_pipeline(calls))
-        ]
+                call_keys = [stream, *script_keys]
+                writes: list[GuardedWrite] = []
+                guarded: list[Any] = []  # the writes' part of ARGV (see ack.lua)
+                if writing:
+                    mark = 0
+                    for index, d in enumerate(chunk, 1):
+                        marked = inbox and d.envelope is not None
+                        if marked:
+                            mark += 1
+                        w = d.settle_write
+                        if w is not None:
+                            writes.append(w)
+                            call_keys.append(w.key)
+                            guarded += (index, mark if marked else 0, w.guard, w.expected, len(w.fields) // 2)
+                            guarded += w.fields
+                args += (len(writes), *guarded, fence)
+                written.append(writes)
+                calls.append(("ack", call_keys, args))
+        raw = await (self._run_on(channel, calls) if channel is not None else self._run_pipeline(calls))
+        replies: list[int] = []
+        for reply, writes in zip(raw, written, strict=True):
+            if isinstance(reply, list):
+                replies.append(int(reply[0]))
+                for w, out in zip(writes, reply[1:], strict=True):
+                    if isinstance(out, list):
+                        w.outcome, w.error = GuardedWrite.FAILED, text(out[0])
+                    else:
+                        w.outcome = int(out)
+            else:
+                replies.append(int(reply))
         if _FENCED in replies:
             raise _lost(source)
         return sum(replies)

@@ -15,36 +15,126 @@
 -- ARGV[5]  m, message ids to record in the inbox that follow the entry ids (0 when the inbox is off)
 -- ARGV[6]  k, message ids whose attempt counters to drop, after those
 -- ARGV[7 ..]  the n entry ids, the m inbox ids (text), one string of their m 16-byte records
---             (broker.keys.inbox_records; '' when m is 0), the k counter ids
--- Returns the number of entries acknowledged, or -1 (nothing done) when the fencing token is not current.
+--             (broker.keys.inbox_records; '' when m is 0), the k counter ids, then w: guarded writes
+--             that follow (broker.protocol.GuardedWrite), each: the index of its entry (1..n), of
+--             its inbox id (1..m, 0 for none), the guard field, the value it must hold ('' = absent),
+--             p, then p field/value pairs to HSET; KEYS[4 + j] is write j's hash
+-- A guarded write is applied before the acks, unless its entry is no longer pending or its message
+-- was processed before (both: skipped, the entry acknowledged as usual); when its guard field does
+-- not hold the value, or the server refuses the write, nothing is written and its entry is left
+-- pending, not acknowledged nor recorded in the inbox (the caller runs it again).
+-- Returns the number of entries acknowledged, or -1 (nothing done) when the fencing token is not
+-- current; with w > 0, {acknowledged, one outcome per write: 1 written, 0 skipped, -2 guard
+-- failed, {error} refused}.
 --#include inbox_store
 local fence = KEYS[4] and ARGV[#ARGV] or ''
 if fence ~= '' and redis.call('HGET', KEYS[4], 'token') ~= fence then return -1 end  -- fenced: no effect
 local n, m, k = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
--- unpack(ARGV, from, to) passes slices without copying them into tables first
-local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 7, 6 + n))
-if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(ARGV, 7, 6 + n)) end
-if m > 0 then
-  local base, recs = 6 + n, ARGV[7 + n + m]
-  inbox_record_all(recs, m)
-  inbox_flush(KEYS[2])
-  if not string.find(recs, INBOX_ZERO, 1, true) then  -- every id a UUIDv7/v8 (the common case): no loop
-    redis.call('ZREM', KEYS[2], unpack(ARGV, base + 1, base + m))  -- their leases
+local recs = ARGV[7 + n + m]
+
+-- Acknowledge entries a[ea..eb], record inbox ids b[ba..bb] (their records r), drop the counters.
+-- unpack(t, from, to) passes slices without copying them into tables first.
+local function settle(a, ea, eb, b, ba, bb, r)
+  local acked = 0
+  if eb >= ea then
+    acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(a, ea, eb))
+    if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(a, ea, eb)) end
+  end
+  local count = bb - ba + 1
+  if count > 0 then
+    inbox_record_all(r, count)
+    inbox_flush(KEYS[2])
+    if not string.find(r, INBOX_ZERO, 1, true) then  -- every id a UUIDv7/v8 (the common case): no loop
+      redis.call('ZREM', KEYS[2], unpack(b, ba, bb))  -- their leases
+    else
+      local zadd, zrem, now = {}, {}, tonumber(ARGV[3])
+      for i = 1, count do
+        if string.byte(r, i * 16 - 9) ~= 0 then  -- (byte 7 of record i, the id's version: 0 in a zero record)
+          zrem[#zrem + 1] = b[ba + i - 1]
+        else
+          zadd[#zadd + 1] = now + i / 1024  -- a fraction of a ms apart: distinct scores insert faster than ties
+          zadd[#zadd + 1] = b[ba + i - 1]
+        end
+      end
+      if #zrem > 0 then redis.call('ZREM', KEYS[2], unpack(zrem)) end
+      if #zadd > 0 then redis.call('ZADD', KEYS[2], unpack(zadd)) end
+    end
+  end
+  if k > 0 then
+    redis.call('HDEL', KEYS[3], unpack(ARGV, 8 + n + m, 7 + n + m + k))
+  end
+  return acked
+end
+
+local wpos = 8 + n + m + k
+local w = tonumber(ARGV[wpos]) or 0
+if w == 0 then
+  return settle(ARGV, 7, 6 + n, ARGV, 7 + n, 6 + n + m, recs)
+end
+
+-- Guarded writes first (the ids they carry are checked against the inbox in one pass).
+local writes, subs = {}, {}
+local pos = wpos + 1
+for j = 1, w do
+  local x = {entry = tonumber(ARGV[pos]), mark = tonumber(ARGV[pos + 1]), guard = ARGV[pos + 2],
+    expected = ARGV[pos + 3], first = pos + 5, last = pos + 4 + 2 * tonumber(ARGV[pos + 4])}
+  writes[j] = x
+  subs[j] = x.mark > 0 and string.sub(recs, x.mark * 16 - 15, x.mark * 16) or INBOX_ZERO
+  pos = x.last + 1
+end
+local seen = inbox_seen_many(KEYS[2], table.concat(subs), w)
+local outcomes, done, held_entries, held_marks = {}, {}, nil, nil
+for j = 1, w do
+  local x = writes[j]
+  local entry = ARGV[6 + x.entry]
+  local id = x.mark > 0 and ARGV[6 + n + x.mark] or nil
+  local out
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1) == 0 then
+    out = 0  -- settled already (a repeated call after a lost reply): nothing again
+  elseif id and (seen[j] or done[id] or (string.byte(subs[j], 7) == 0
+      and (tonumber(redis.call('ZSCORE', KEYS[2], id)) or -1) >= 0)) then
+    out = 0  -- processed before: a duplicate, acknowledged without its write
   else
-    local zadd, zrem, now = {}, {}, tonumber(ARGV[3])
-    for i = 1, m do
-      if string.byte(recs, i * 16 - 9) ~= 0 then  -- (byte 7 of record i, the id's version: 0 in a zero record)
-        zrem[#zrem + 1] = ARGV[base + i]
+    local current = redis.pcall('HGET', KEYS[4 + j], x.guard)
+    if type(current) == 'table' and current.err then
+      out = {current.err}
+    elseif (current or '') ~= x.expected then
+      out = -2
+    else
+      local res = redis.pcall('HSET', KEYS[4 + j], unpack(ARGV, x.first, x.last))
+      if type(res) == 'table' and res.err then
+        out = {res.err}
       else
-        zadd[#zadd + 1] = now + i / 1024  -- a fraction of a ms apart: distinct scores insert faster than ties
-        zadd[#zadd + 1] = ARGV[base + i]
+        out = 1
+        if id then done[id] = true end
       end
     end
-    if #zrem > 0 then redis.call('ZREM', KEYS[2], unpack(zrem)) end
-    if #zadd > 0 then redis.call('ZADD', KEYS[2], unpack(zadd)) end
   end
+  if out ~= 1 and out ~= 0 then  -- not written: left pending, neither acknowledged nor recorded
+    held_entries = held_entries or {}
+    held_entries[x.entry] = true
+    if x.mark > 0 then
+      held_marks = held_marks or {}
+      held_marks[x.mark] = true
+    end
+  end
+  outcomes[j] = out
 end
-if k > 0 then
-  redis.call('HDEL', KEYS[3], unpack(ARGV, 8 + n + m, 7 + n + m + k))
+
+local acked
+if not held_entries then
+  acked = settle(ARGV, 7, 6 + n, ARGV, 7 + n, 6 + n + m, recs)
+else
+  local entries, ids, rs = {}, {}, {}
+  for i = 1, n do
+    if not held_entries[i] then entries[#entries + 1] = ARGV[6 + i] end
+  end
+  for i = 1, m do
+    if not (held_marks and held_marks[i]) then
+      ids[#ids + 1] = ARGV[6 + n + i]
+      rs[#rs + 1] = string.sub(recs, i * 16 - 15, i * 16)
+    end
+  end
+  acked = settle(entries, 1, #entries, ids, 1, #ids, table.concat(rs))
 end
-return acked
+return {acked, unpack(outcomes)}

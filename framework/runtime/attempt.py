@@ -116,7 +116,7 @@ class Attempts:
         first_failed: int | None = None
         reruns = 0
         while True:
-            ctx = Context(d, handler, attempt, broker)
+            ctx = Context(d, handler, attempt, broker, ledger.fence, slot.flush)
             if observer is not None:
                 watch = observer.begin(d, attempt, slot)
             slot.delivery = d
@@ -137,6 +137,8 @@ class Attempts:
                     if watch is not None:
                         observer.end(watch, "success")
                     return SETTLED
+                if ctx._ack_write is not None:  # written with the ack (a saga step's state)
+                    d.settle_write = ctx._ack_write
                 if handler.sql_inbox:
                     self._check_sql_inbox(d, ctx)
             except AlreadyProcessed:
@@ -218,7 +220,7 @@ class Attempts:
         """Like :meth:`_run_direct`, each attempt inside the middleware chain (see the module docstring)."""
         first_failed: int | None = None
         while True:
-            ctx = Context(d, self.handler, attempt, self.wiring.broker)
+            ctx = Context(d, self.handler, attempt, self.wiring.broker, ledger.fence, slot.flush)
             message = InboundMessage.of(d, payload, attempt)
             settled: list[bool] = []  # the innermost call committed effects together with the ack
             innermost = functools.partial(self._innermost, ledger, d, payload, ctx, slot, settled)
@@ -286,6 +288,8 @@ class Attempts:
                     outcome = await self.settle.commit_effects(ledger, d, ctx, attempt)
                     settled.append(True)
                     return outcome
+                if ctx._ack_write is not None:  # written with the ack (a saga step's state)
+                    d.settle_write = ctx._ack_write
                 if handler.sql_inbox:
                     self._check_sql_inbox(d, ctx)
             except AlreadyProcessed:

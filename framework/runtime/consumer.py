@@ -16,6 +16,7 @@ under a fresh ledger) from acquiring the lease to losing or handing it back.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -164,6 +165,7 @@ class Consumer:
         works = batch.works
         done = Finished()
         slot = Slot()
+        slot.flush = functools.partial(self._settle_now, ledger, done)
         ledger.slots.add(slot)
         started = time.perf_counter()
         context = logcontext.enter(slot, self.handler)  # log lines name the slot's current run
@@ -203,6 +205,11 @@ class Consumer:
             self.stats.handler_seconds += time.perf_counter() - started
             logcontext.leave(context)
         await self.settle.finished(ledger, done)
+
+    async def _settle_now(self, ledger: Ledger, done: Finished) -> None:
+        """Settle the runs this lane finished (publish, queue their acks) and send the acks now."""
+        await self.settle.finished(ledger, done)
+        await self.settle.flush(ledger)
 
     async def _process_from(self, ledger: Ledger, batch: Batch, slot: Slot, done: Finished) -> bool:
         """Take and attempt works of ``batch``; return False when none is left, True once finished

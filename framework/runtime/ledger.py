@@ -23,7 +23,7 @@ stays pending (an unreachable broker, a lease held elsewhere) is forgotten at on
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -56,7 +56,7 @@ class Slot:
     middleware is installed, the scope of the one attempt (so the chain sees the timeout).
     """
 
-    __slots__ = ("attempt", "delivery", "index", "observed", "runs", "scope", "seen_at", "seen_run", "watch")
+    __slots__ = ("attempt", "delivery", "flush", "index", "observed", "runs", "scope", "seen_at", "seen_run", "watch")
 
     def __init__(self) -> None:
         self.delivery: Delivery | None = None  # set only while the handler itself runs
@@ -68,6 +68,9 @@ class Slot:
         self.scope: anyio.CancelScope | None = None
         self.watch: Any = None  # the observer's watch of a run cut short, until its timeout is settled
         self.observed: Any = None  # tracing or metrics: the observer's watch this lane reuses
+        # settles the runs this lane finished and sends the partition's queued acks now (a saga step
+        # whose commit builds on a state write its instance's earlier step sent with its ack)
+        self.flush: Callable[[], Awaitable[None]] | None = None
 
 
 class Lease:

@@ -269,7 +269,12 @@ class Ownership:
                 async with ledger.ack_lock:
                     batch = ledger.take_acks()
                     if batch:
-                        await self.broker.ack(ledger.view, batch, inbox=self.wiring.handler.inbox, token=lease.token)
+                        try:
+                            await self.broker.ack(
+                                ledger.view, batch, inbox=self.wiring.handler.inbox, token=lease.token
+                            )
+                        finally:
+                            self.consumer.settle.writes_settled(ledger, batch)
                 if not any(s.delivery is not None for s in ledger.slots):
                     await self.broker.release_lease(self.views[p], self.instance, lease.token)
             except LeaseLost:

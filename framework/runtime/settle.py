@@ -23,7 +23,7 @@ from typing import Any
 
 import anyio
 
-from broker import Delivery, EffectsFailed, LeaseLost, now_ms
+from broker import Delivery, EffectsFailed, GuardedWrite, LeaseLost, now_ms
 from broker import headers as h
 from broker.headers import DELIVER_AT
 from framework.context import Context
@@ -124,20 +124,28 @@ class Settlement:
         except LeaseLost:
             self.lost(ledger)
             ledger.forget([d])
+            self.writes_settled(ledger, [d])
+            return
+        ledger.forget([d])
+        if self.writes_settled(ledger, [d]):
             return
         if not ctx.duplicate:  # a duplicate was counted when it was found
             self.stats.processed += 1
-        ledger.forget([d])
         if self.debug:
             self.log_settled(d, "duplicate" if ctx.duplicate else "success", ctx.attempt)
 
     async def commit_effects(self, ledger: Ledger, d: Delivery, ctx: Context, attempt: int) -> Outcome:
-        """Commit a handler's Redis writes, outgoing messages, inbox mark and ack in one step.
+        """Commit a handler's Redis writes, outgoing messages, inbox mark and ack in one step (in a
+        tenure that is over, nothing: the message stays pending for the next one).
 
         Raises if the broker call fails (the attempt failed: the caller applies the retry policy).
         """
         effects = ctx.redis_effects
         assert effects is not None
+        lease = ledger.lease
+        if lease is not None and lease.lost:  # the tenure is over: its next one runs the message again
+            ledger.forget([d])
+            return Outcome("duplicate", attempt, reason="lost ownership of the partition: not settled here")
         broker = self.broker
         staged = ctx.outgoing
         outgoing = [env for env, _ in staged]
@@ -302,8 +310,37 @@ class Settlement:
             except LeaseLost:  # fenced: nothing acked; the new owner has these entries now
                 self.lost(ledger)
                 ledger.acked(batch)
+                self.writes_settled(ledger, batch)
                 return
             except BaseException:
                 ledger.requeue_acks(batch)
                 raise
             ledger.acked(batch)
+            self.stats.processed -= self.writes_settled(ledger, batch)  # (counted when queued)
+
+    def writes_settled(self, ledger: Ledger, batch: list[Delivery]) -> int:
+        """After an ack call (or its refusal): tell each state write sent with it (a saga step's,
+        :class:`~broker.GuardedWrite`) how it went. A message whose write was not applied (its
+        guard failed, or the server refused it) stays pending: it runs again, and with ownership
+        the tenure ends so it runs before the later messages of its key. Returns how many stayed."""
+        held = 0
+        for d in batch:
+            w = d.settle_write
+            if w is None:
+                continue
+            if w.note is not None:
+                try:
+                    w.note(w)
+                except Exception as exc:
+                    self.log.error("a state write's callback failed", message_id=d.message_id, exc_info=exc)
+            if w.outcome == GuardedWrite.CONFLICT or w.outcome == GuardedWrite.FAILED:
+                held += 1
+                self.stats.retried += 1
+                self.log.warning(
+                    "state write sent with the ack was not applied; the message stays pending and runs again",
+                    message_id=d.message_id,
+                    reason="version conflict" if w.outcome == GuardedWrite.CONFLICT else w.error,
+                )
+        if held:
+            ledger.broken()
+        return held
