@@ -228,6 +228,8 @@ class Attempts:
             if settled:
                 return SETTLED  # acknowledged with its effects: nothing a middleware does undoes that
             if outcome.status == "success":
+                if ctx._ack_write is not None:  # written with the ack (a saga step's state), only
+                    d.settle_write = ctx._ack_write  # when the chain let the run succeed
                 return ctx
             if outcome.status == "duplicate":
                 if not ctx.duplicate:
@@ -288,8 +290,6 @@ class Attempts:
                     outcome = await self.settle.commit_effects(ledger, d, ctx, attempt)
                     settled.append(True)
                     return outcome
-                if ctx._ack_write is not None:  # written with the ack (a saga step's state)
-                    d.settle_write = ctx._ack_write
                 if handler.sql_inbox:
                     self._check_sql_inbox(d, ctx)
             except AlreadyProcessed:
