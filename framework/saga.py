@@ -51,7 +51,7 @@ import functools
 import time
 import typing
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -99,23 +99,21 @@ STATE_CACHE_SECONDS = 30.0
 """How long a kept state is used (at most half of ``keep_completed``) before it is read again."""
 
 
-class _Ticket:
-    """The outcome of one state write sent with the acks (see :meth:`Saga._run_redis`): the ack
-    calls it with the write once the server ran it (or refused the call)."""
+class _StateWrite(GuardedWrite):
+    """A saga state write sent with the acks (see :meth:`Saga._save_with_ack`): ``done`` once an
+    ack call ran it (or was refused); ``note`` is the saga's :meth:`Saga._written`."""
 
-    __slots__ = ("done", "key", "ok", "saga")
+    __slots__ = ("done",)
 
-    def __init__(self, saga: Saga[Any], key: str) -> None:
-        self.saga = saga
+    def __init__(self, key: str, expected: str, fields: tuple[Any, ...], note: Callable[[GuardedWrite], None]) -> None:
         self.key = key
+        self.guard = "v"
+        self.expected = expected
+        self.fields = fields
+        self.note = note
+        self.outcome = None
+        self.error = ""
         self.done = False
-        self.ok = False
-
-    def __call__(self, write: GuardedWrite) -> None:
-        self.done = True
-        self.ok = write.outcome == GuardedWrite.APPLIED
-        if not self.ok:
-            self.saga._write_not_applied(self.key)
 
 
 class SagaError(Exception):
@@ -189,6 +187,13 @@ class _Step:
         self.payload_type = payload_type
         self.starts = starts
         self.name = getattr(fn, "__name__", None) or type(fn).__name__
+
+    def run(self, body: bytes, sctx: SagaContext[Any]) -> Awaitable[Any]:
+        """Decode ``body`` and run the step on it (a sync step in a worker thread): await the result."""
+        payload = self.decode(body)
+        if self.is_async:
+            return self.fn(payload, sctx)  # type: ignore[no-any-return]
+        return anyio.to_thread.run_sync(functools.partial(self.fn, payload, sctx))
 
 
 def _no_delay(options: Mapping[str, Any]) -> None:
@@ -344,12 +349,12 @@ class Saga(Generic[S]):
         self._retry = _saga_policy(retry or service.retry)
         self._state_decode = decoder_for(state) if isinstance(state, type) else None
         # Redis state of instances this process saved last: (valid until, version, state, timeouts,
-        # bytes of their JSON, fencing token of the tenure that saved it, the ticket of its write
+        # bytes of their JSON, fencing token of the tenure that saved it, its write
         # when that was sent with the acks). The commit's version guard checks it as it checks a
         # fresh read (a stale entry conflicts and the step runs again on a fresh read); an entry
         # lives less than keep_completed, so a completed instance's key cannot expire and climb back
         # to a cached version meanwhile. Decoded, so a step of a kept instance neither reads nor decodes it.
-        self._cached: OrderedDict[str, tuple[float, int, Any, dict[str, str], int, int | None, _Ticket | None]] = (
+        self._cached: OrderedDict[str, tuple[float, int, Any, dict[str, str], int, int | None, _StateWrite | None]] = (
             OrderedDict()
         )
         self._cached_bytes = 0
@@ -358,9 +363,20 @@ class Saga(Generic[S]):
         # by the general path (which dead-letters a write the server refuses, with the reason)
         self._careful: OrderedDict[str, None] = OrderedDict()
         self._prefixes: dict[tuple[str, int], str] = {}  # (namespace, partition) -> the state keys' prefix
+        self._note = self._written  # (bound once: every state write sent with the acks carries it)
 
         async def step(body: bytes, ctx: Context) -> None:
-            await self._run(body, ctx)
+            env = ctx.envelope
+            source = env.headers.get(SAGA_INPUT, "")
+            found = self._timeout_steps.get(source[8:]) if source.startswith("timeout:") else self._steps.get(source)
+            if found is None:
+                raise SagaError(f"saga {self.label}: no step for input {source!r} (message type {env.type})")
+            if not env.key:
+                raise SagaError(f"saga {self.label}: message {env.id} on the saga queue has no correlation key")
+            if self._sql is None:
+                await self._run_redis(found, source, body, ctx, env.key)
+            else:
+                await self._run_sql(found, source, body, ctx)
 
         step.__name__ = f"saga_{name}"
         service._register(self.queue, self._retry, None, "earliest", True, timeout)(step)
@@ -446,63 +462,57 @@ class Saga(Generic[S]):
 
     # -- running a step ----------------------------------------------------------------------------
 
-    def state_key(self, ctx: Context) -> str:
-        """The instance's state hash (under the saga queue partition's hash tag)."""
+    def state_key(self, ctx: Context, correlation: str | None = None) -> str:
+        """The instance's state hash (under the saga queue partition's hash tag); ``correlation``:
+        the message's key, when the caller has it at hand."""
         keyspace = ctx._broker.keyspace
-        partition = ctx.partition
+        partition = ctx._delivery.source.partition
         prefix = self._prefixes.get((keyspace.namespace, partition))
         if prefix is None:
             stream = keyspace.partition(self.queue.name, partition).stream
             prefix = self._prefixes[(keyspace.namespace, partition)] = f"{stream}:saga:"
-        return prefix + (ctx.key or "")
+        return prefix + (correlation or ctx.key or "")
 
-    async def _run(self, body: bytes, ctx: Context) -> None:
-        source = ctx.headers.get(SAGA_INPUT, "")
-        if source.startswith("timeout:"):
-            step = self._timeout_steps.get(source[len("timeout:") :])
-        else:
-            step = self._steps.get(source)
-        if step is None:
-            raise SagaError(f"saga {self.label}: no step for input {source!r} (message type {ctx.type})")
-        if not ctx.key:
-            raise SagaError(f"saga {self.label}: message {ctx.message_id} on the saga queue has no correlation key")
-        if self._sql is None:
-            await self._run_redis(step, source, body, ctx)
-        else:
-            await self._run_sql(step, source, body, ctx)
-
-    async def _run_redis(self, step: _Step, source: str, body: bytes, ctx: Context) -> None:
-        key = self.state_key(ctx)
+    async def _run_redis(self, step: _Step, source: str, body: bytes, ctx: Context, correlation: str) -> None:
+        key = self.state_key(ctx, correlation)
         fence = ctx._fence
+        now = time.monotonic()
         # The state this process saved last, if recent and saved in this tenure of the partition
         # (taken out: it is put back once this step's outcome is decided).
         cached = self._cached.pop(key, None)
-        ticket: _Ticket | None = None  # of the instance's last state write sent with the acks
-        if cached is not None:
-            self._cached_bytes -= cached[4]
-            if cached[5] == fence:
-                ticket = cached[6]
+        last: _StateWrite | None = None  # the instance's last state write sent with the acks
         loaded: tuple[Any, dict[str, str]] | None = None
         state_raw = pending_raw = None
         size = 0  # bytes of the kept state's JSON
-        if cached is not None and cached[0] > time.monotonic() and cached[5] == fence:
-            _, version, state, pending, size, _, _ = cached
-            loaded = (state, pending)  # (the step changes them in place)
-            done = False
-        else:
-            if ticket is not None and not ticket.done:
+        if cached is not None:
+            self._cached_bytes -= cached[4]
+            if cached[5] == fence:
+                last = cached[6]
+                if cached[0] > now:
+                    _, version, state, pending, size, _, _ = cached
+                    loaded = (state, pending)  # (the step changes them in place)
+        if loaded is None:
+            if last is not None and not last.done:
                 await ctx._flush()  # read after this process's own last write of it, not before
-            ticket = None
+            last = None
             # (sent with the other lanes' reads: one write for many steps)
             version_raw, state_raw, pending_raw, done = await ctx._broker.read_shared(
                 "HMGET", key, "v", "s", "t", "done"
             )
             version = None if version_raw is None else int(version_raw)
+            had_timeouts = bool(pending_raw) and pending_raw != b"{}"
+        else:
+            done = None
+            had_timeouts = bool(loaded[1])
         try:
-            sctx = await self._step(step, source, body, ctx, version, state_raw, pending_raw, bool(done), None, loaded)
+            sctx = self._begin(
+                step, source, ctx, correlation, version, state_raw, pending_raw, bool(done), None, loaded
+            )
+            if sctx is not None:
+                await step.run(body, sctx)
         except BaseException:
-            if ticket is not None and not ticket.done:  # (the state was changed in place: not kept, but
-                self._keep_state(key, 0, None, {}, 0, fence, ticket, until=0.0)  # the next read waits for the write)
+            if last is not None and not last.done:  # (the state was changed in place: not kept, but
+                self._keep_state(key, 0, None, {}, 0, fence, last, until=0.0)  # the next read waits for the write)
             raise
         # Owned partition (a fencing token): only this process writes the instance in this tenure,
         # so a step that only changes the state needs no commit of its own: the write goes with the
@@ -515,14 +525,16 @@ class Saga(Generic[S]):
             and key not in self._careful
         )
         if sctx is not None:
-            if fast and not sctx._timeouts and not sctx.completed:
-                self._save_with_ack(ctx, sctx, key, version or 0)
+            if fast and not sctx._timeouts and not sctx._completed:
+                self._save_with_ack(ctx, sctx, key, version or 0, had_timeouts, now)
                 return
-            if ticket is not None:
-                if not ticket.done:
+            if last is not None:
+                if not last.done:
                     await ctx._flush()  # its previous state write first (this commit builds on it)
-                if not ticket.ok:  # (the tenure is over: this run commits nothing, the next tenure runs it)
-                    raise EffectsConflict(f"saga {self.label}: the instance's previous state write was not applied")
+                if last.outcome != GuardedWrite.APPLIED:  # (the tenure is over: this run commits nothing,
+                    raise EffectsConflict(  # the next tenure runs it)
+                        f"saga {self.label}: the instance's previous state write was not applied"
+                    )
             tx = ctx.redis_transaction()
             tx.expect(key, "v", version)  # what the step decided is decided on this version
             await self._save(ctx, sctx, key, version or 0)
@@ -538,28 +550,39 @@ class Saga(Generic[S]):
             loaded = (self._load_state(state_raw), orjson.loads(pending_raw))
             size = len(state_raw) + len(pending_raw)
         if fast:
-            self._keep_state(key, version, *loaded, size, fence, ticket)
+            self._keep_state(key, version, *loaded, size, fence, last)
         else:
             tx = ctx.redis_transaction()
             tx.expect(key, "v", version)
             self._cache_after_commit(tx, key, version, *loaded, size, fence)
 
-    def _save_with_ack(self, ctx: Context, sctx: SagaContext[S], key: str, version: int) -> None:
+    def _save_with_ack(
+        self, ctx: Context, sctx: SagaContext[S], key: str, version: int, had_timeouts: bool, now: float
+    ) -> None:
         """Save the state with the message's ack (see :class:`~broker.GuardedWrite`), guarded by
-        ``version``, and keep it for the instance's next step at once."""
+        ``version``, and keep it for the instance's next step at once (``had_timeouts``: whether
+        the stored timeouts field holds any, else it is written only when some are pending)."""
         new = version + 1
-        state = _state_json(sctx.state)
-        pending = orjson.dumps(sctx._pending)
-        ticket = _Ticket(self, key)
-        ctx._ack_write = GuardedWrite(
-            key, "v", str(version) if version else "", ("v", new, "s", state, "t", pending), ticket
-        )
-        self._keep_state(key, new, sctx.state, sctx._pending, len(state) + len(pending), ctx._fence, ticket)
+        raw = _state_json(sctx.state)
+        pending = sctx._pending
+        if pending or had_timeouts:
+            timeouts = orjson.dumps(pending)
+            fields: tuple[Any, ...] = ("v", new, "s", raw, "t", timeouts)
+            size = len(raw) + len(timeouts)
+        else:  # (absent or {} stored: left as it is)
+            fields = ("v", new, "s", raw)
+            size = len(raw) + 2
+        write = ctx._ack_write = _StateWrite(key, str(version) if version else "", fields, self._note)
+        self._keep_state(key, new, sctx.state, pending, size, ctx._fence, write, now + self._cache_ttl)
 
-    def _write_not_applied(self, key: str) -> None:
-        """A state write sent with the acks was not applied (the settle stage logs why): what is kept
-        for the instance may build on it, so it goes; the instance's next step reads and commits by
-        the general path."""
+    def _written(self, write: GuardedWrite) -> None:
+        """The ack call ran a state write sent with it (or was refused): a write not applied (the
+        settle stage logs why) may be what is kept for its instance, so that goes; the instance's
+        next step reads and commits by the general path."""
+        write.done = True  # type: ignore[attr-defined]
+        if write.outcome == GuardedWrite.APPLIED:
+            return
+        key = write.key
         cached = self._cached.get(key)
         if cached is not None:
             del self._cached[key]
@@ -577,20 +600,20 @@ class Saga(Generic[S]):
         pending: dict[str, str],
         size: int,
         fence: int | None,
-        ticket: _Ticket | None,
-        *,
+        write: _StateWrite | None,
         until: float | None = None,
     ) -> None:
         """Keep ``key``'s state as saved at ``version`` (``size``: the bytes of its JSON, counted
         against the budget) by the tenure of ``fence``, usable ``until`` (monotonic; default: the
-        cache's lifetime from now; 0: not usable, only ``ticket`` is kept for the next read to wait for)."""
+        cache's lifetime from now; 0: not usable, only ``write`` - its last state write sent with
+        the acks - is kept for the next read to wait for)."""
         cache = self._cached
         old = cache.pop(key, None)  # (only if another run of the instance went on meanwhile)
         if old is not None:
             self._cached_bytes -= old[4]
         if until is None:
             until = time.monotonic() + self._cache_ttl
-        cache[key] = (until, version, state, pending, size, fence, ticket)
+        cache[key] = (until, version, state, pending, size, fence, write)
         self._cached_bytes += size
         while len(cache) > STATE_CACHE_SIZE or self._cached_bytes > STATE_CACHE_BYTES:
             _, dropped = cache.popitem(last=False)
@@ -615,9 +638,10 @@ class Saga(Generic[S]):
             assert ctx.key is not None
             row = await _saga_sql.load(conn, self.label, ctx.key, self._keep)
             version = row.version or None
-            sctx = await self._step(step, source, body, ctx, version, row.state, row.timeouts, row.completed, conn)
+            sctx = self._begin(step, source, ctx, ctx.key, version, row.state, row.timeouts, row.completed, conn)
             if sctx is None:
                 return  # the block commits the message's inbox row alone
+            await step.run(body, sctx)
             if sctx.completed:
                 await _saga_sql.complete(conn, self.label, sctx.correlation, row, self._keep)
                 return
@@ -626,12 +650,12 @@ class Saga(Generic[S]):
             for timeout_id, payload, due in sctx._timeouts:  # outbox rows of this transaction
                 ctx._outgoing.append(self._timeout_envelope(ctx, sctx, timeout_id, payload, due, spec=True))
 
-    async def _step(
+    def _begin(
         self,
         step: _Step,
         source: str,
-        body: bytes,
         ctx: Context,
+        correlation: str,
         version: int | None,
         state_raw: bytes | str | None,
         pending_raw: bytes | str | None,
@@ -639,17 +663,17 @@ class Saga(Generic[S]):
         conn: Any,
         loaded: tuple[Any, dict[str, str]] | None = None,
     ) -> SagaContext[S] | None:
-        """Decide on the loaded instance (``loaded``: its state and timeouts decoded already) and
-        run the step; None when the message is ignored."""
+        """Decide on the loaded instance (``loaded``: its state and timeouts decoded already): the
+        step's context to run it with, or None when the message is ignored."""
         if done:
-            log.debug("message for a completed saga ignored", saga=self.label, correlation=ctx.key, input=source)
+            log.debug("message for a completed saga ignored", saga=self.label, correlation=correlation, input=source)
             return None
         if version is None:
             if not step.starts:
                 log.info(
                     "message ignored: no running saga for it and its step does not start one",
                     saga=self.label,
-                    correlation=ctx.key,
+                    correlation=correlation,
                     input=source,
                     message_id=ctx.message_id,
                 )
@@ -663,16 +687,9 @@ class Saga(Generic[S]):
             state = self._load_state(state_raw)
             pending = orjson.loads(pending_raw) if pending_raw else {}
         if source.startswith("timeout:") and pending.pop(ctx.message_id, None) is None:
-            log.debug("cancelled or stale timeout ignored", saga=self.label, correlation=ctx.key)
+            log.debug("cancelled or stale timeout ignored", saga=self.label, correlation=correlation)
             return None
-        payload = step.decode(body)
-        assert ctx.key is not None
-        sctx: SagaContext[S] = SagaContext(ctx, self, state, ctx.key, version, pending, conn)
-        if step.is_async:
-            await step.fn(payload, sctx)
-        else:
-            await anyio.to_thread.run_sync(functools.partial(step.fn, payload, sctx))
-        return sctx
+        return SagaContext(ctx, self, state, correlation, version, pending, conn)
 
     def _engine(self) -> Any:
         engine = self._sql

@@ -137,6 +137,16 @@ async def test_state_writes_sent_with_the_acks_are_guarded_and_hold_back_what_th
     assert ds[3].settle_write.outcome is None
     assert await broker.redis.hget(keys[2], "v") == b"1"
 
+    # With the current token: applied; the same call repeated (a lost reply) is skipped by its
+    # inbox record (a fenced call does not look the entry up in the pending list), even with the
+    # guard holding again.
+    assert await broker.ack(view, [ds[3]], inbox=True, token=token) == 1
+    assert ds[3].settle_write.outcome == GuardedWrite.APPLIED
+    await broker.redis.hset(keys[2], "v", 1)
+    assert await broker.ack(view, [ds[3]], inbox=True, token=token) == 0
+    assert ds[3].settle_write.outcome == GuardedWrite.SKIPPED
+    assert await broker.redis.hget(keys[2], "v") == b"1"
+
 
 def test_conflicts_are_retried_at_once_and_never_dead_letter_the_step() -> None:
     policy = SagaRetryPolicy(max_attempts=2)

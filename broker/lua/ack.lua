@@ -20,7 +20,8 @@
 --             its inbox id (1..m, 0 for none), the guard field, the value it must hold ('' = absent),
 --             p, then p field/value pairs to HSET; KEYS[4 + j] is write j's hash
 -- A guarded write is applied before the acks, unless its entry is no longer pending or its message
--- was processed before (both: skipped, the entry acknowledged as usual); when its guard field does
+-- was processed before (both: skipped, the entry acknowledged as usual; on a fenced call an entry
+-- whose message id is recorded is checked by that record alone); when its guard field does
 -- not hold the value, or the server refuses the write, nothing is written and its entry is left
 -- pending, not acknowledged nor recorded in the inbox (the caller runs it again).
 -- Returns the number of entries acknowledged, or -1 (nothing done) when the fencing token is not
@@ -89,8 +90,11 @@ for j = 1, w do
   local entry = ARGV[6 + x.entry]
   local id = x.mark > 0 and ARGV[6 + n + x.mark] or nil
   local out
-  if #redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1) == 0 then
-    out = 0  -- settled already (a repeated call after a lost reply): nothing again
+  -- Settled already (a repeated call after a lost reply): nothing again. A fenced call whose write
+  -- carries an inbox id needs no XPENDING: in a current tenure only the owner's fenced calls settle
+  -- its entries, and a settled run of it recorded that id (the next check finds it).
+  if (fence == '' or not id) and #redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1) == 0 then
+    out = 0
   elseif id and (seen[j] or done[id] or (string.byte(subs[j], 7) == 0
       and (tonumber(redis.call('ZSCORE', KEYS[2], id)) or -1) >= 0)) then
     out = 0  -- processed before: a duplicate, acknowledged without its write
