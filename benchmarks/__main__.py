@@ -725,9 +725,11 @@ def _saga_row(o: dict[str, Any]) -> Row:
     m, cost = o["medians"], o["cost"]
     return Row(
         f"saga: {o['messages']:,} steps over {o['sagas']:,} instances, one worker ({o['cores']} cores)",
-        f"{m['saga_step']:,.0f} steps/s\n[dim]via a topic (2 hops): {m['saga_event']:,.0f}/s[/dim]",
+        f"{m['saga_step']:,.0f} steps/s\n[dim]via a topic (2 hops): {m['saga_event']:,.0f}/s[/dim]"
+        + (f"\n[dim]each step a new instance: {m['saga_new']:,.0f}/s[/dim]" if "saga_new" in m else ""),
         f"{m['plain']:,.0f} msg/s plain, inbox on\n[dim]{m['plain_tx']:,.0f}/s with redis_transaction[/dim]",
-        f"cost {cost['saga_step']:.1f}x plain\n[dim]{m['plain_tx'] / m['saga_step']:.1f}x redis_transaction[/dim]",
+        f"cost {cost['saga_step']:.1f}x plain\n[dim]{m['plain_tx'] / m['saga_step']:.1f}x redis_transaction[/dim]"
+        + (f"\n[dim]new instances: {cost['saga_new']:.1f}x plain[/dim]" if "saga_new" in cost else ""),
         target="< 2x plain",
         ok=cost["saga_step"] < 2,
     )

@@ -11,6 +11,9 @@ Each kind drains a backlog of N messages (preloaded while no worker runs, then o
   (exactly-once state without a saga: what a saga step does by hand, minus the load and the guard);
 * ``saga_step``: messages sent straight to the saga's queue (key = correlation id, 1,000 saga
   instances): one step each = load the state, run, save it with the version guard in the commit;
+* ``saga_new``: like ``saga_step``, but every message starts an instance of its own (N
+  instances): no step finds its state kept by the worker, so each one's state is read (ahead,
+  with its fetched batch) and written new; the path of sagas whose instances see few messages;
 * ``saga_event``: events on a topic the saga subscribes to, so each is forwarded to the saga
   queue first (two handler runs per event: the routing hop, then the step);
 * ``sql_tx`` (with a database): a command handler that keeps the counter per key in PostgreSQL
@@ -45,7 +48,7 @@ from framework.testing import delete_namespace, unique_namespace
 
 __all__ = ["KINDS", "run", "trial"]
 
-KINDS = ("plain", "plain_tx", "saga_step", "saga_event")
+KINDS = ("plain", "plain_tx", "saga_step", "saga_new", "saga_event")
 SQL_KINDS = ("sql_tx", "saga_sql")
 SAGAS = 1000  # saga instances (correlation ids) the messages spread over
 _BATCH = 5000
@@ -123,6 +126,7 @@ _TARGETS = {
     "plain": "benchmarks.saga_bench:plain",
     "plain_tx": "benchmarks.saga_bench:plain_tx",
     "saga_step": "benchmarks.saga_bench:sagas",
+    "saga_new": "benchmarks.saga_bench:sagas",
     "saga_event": "benchmarks.saga_bench:sagas",
     "sql_tx": "benchmarks.saga_bench:sql_tx",
     "saga_sql": "benchmarks.saga_bench:sql_sagas",
@@ -141,6 +145,8 @@ async def _preload(url: str, namespace: str, kind: str, n: int) -> None:
                         batch.send(PLAIN_TX, {"k": k}, key=k)
                     elif kind == "saga_step":
                         batch.send(counter.queue, {"k": k}, key=k, headers={SAGA_INPUT: EVENTS.name})
+                    elif kind == "saga_new":
+                        batch.send(counter.queue, {"k": f"n{i}"}, key=f"n{i}", headers={SAGA_INPUT: EVENTS.name})
                     elif kind == "sql_tx":
                         batch.send(SQL_TX, {"k": k}, key=k)
                     elif kind == "saga_sql":

@@ -508,6 +508,14 @@ class Connection(Protocol):
         state read); its raw reply, an error reply raised."""
         ...
 
+    async def read_hashes(
+        self, keys: Sequence[str], fields: Sequence[str], *, channel: Any = None
+    ) -> list[list[bytes | None] | None]:
+        """The same ``fields`` of each hash in ``keys`` in one call (a saga's states read ahead for
+        a fetched batch; on a Cluster the keys share a hash tag); raw values, None where absent,
+        None instead of the row for a key that is not a hash."""
+        ...
+
 
 class Scheduler(Protocol):
     """Scheduled messages (stored by :meth:`Publisher.publish` when their ``deliver-at`` header lies

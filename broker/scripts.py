@@ -37,6 +37,7 @@ _NAMES = (
     "schedule_cancel",
     "schedule_read",
     "job_tick",
+    "read_hashes",
 )
 
 

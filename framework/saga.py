@@ -71,6 +71,8 @@ from framework.scheduling import due_ms
 from framework.service import HandlerError, Queue, Topic, _inspect
 
 if TYPE_CHECKING:
+    from broker import Broker, Delivery
+    from broker.keys import KeySpace
     from framework.context import _Staged
     from framework.service import Service
 
@@ -172,9 +174,9 @@ def _as_bytes(value: bytes | str | int) -> bytes:
 class _Step:
     """One input of a saga: its function, payload decoder and whether it may start an instance."""
 
-    __slots__ = ("decode", "fn", "is_async", "name", "payload_type", "starts")
+    __slots__ = ("decode", "fn", "is_async", "name", "payload_type", "starts", "timeout")
 
-    def __init__(self, fn: Callable[..., Any], where: str, starts: bool) -> None:
+    def __init__(self, fn: Callable[..., Any], where: str, starts: bool, *, timeout: bool = False) -> None:
         is_async, takes_ctx, payload_type = _inspect(fn, where)
         if not takes_ctx:
             raise HandlerError(f"{where}: a saga step takes (message, ctx: SagaContext)")
@@ -186,6 +188,7 @@ class _Step:
         self.is_async = is_async
         self.payload_type = payload_type
         self.starts = starts
+        self.timeout = timeout  # a timeout step (its message is a timeout this instance requested)
         self.name = getattr(fn, "__name__", None) or type(fn).__name__
 
     def run(self, body: bytes, sctx: SagaContext[Any]) -> Awaitable[Any]:
@@ -364,11 +367,16 @@ class Saga(Generic[S]):
         self._careful: OrderedDict[str, None] = OrderedDict()
         self._prefixes: dict[tuple[str, int], str] = {}  # (namespace, partition) -> the state keys' prefix
         self._note = self._written  # (bound once: every state write sent with the acks carries it)
+        # States read ahead for fetched batches (:meth:`_read_ahead`): key -> (fencing token, the
+        # HMGET row); a step takes its instance's out, and a state kept for it drops it.
+        self._ahead: OrderedDict[str, tuple[int | None, list[Any]]] = OrderedDict()
 
         async def step(body: bytes, ctx: Context) -> None:
             env = ctx.envelope
             source = env.headers.get(SAGA_INPUT, "")
-            found = self._timeout_steps.get(source[8:]) if source.startswith("timeout:") else self._steps.get(source)
+            found = self._steps.get(source)
+            if found is None and source.startswith("timeout:"):
+                found = self._timeout_steps.get(source[8:])
             if found is None:
                 raise SagaError(f"saga {self.label}: no step for input {source!r} (message type {env.type})")
             if not env.key:
@@ -379,7 +387,7 @@ class Saga(Generic[S]):
                 await self._run_sql(found, source, body, ctx)
 
         step.__name__ = f"saga_{name}"
-        service._register(self.queue, self._retry, None, "earliest", True, timeout)(step)
+        service._register(self.queue, self._retry, None, "earliest", True, timeout, self._read_ahead)(step)
 
     @property
     def label(self) -> str:
@@ -413,7 +421,7 @@ class Saga(Generic[S]):
 
     def timeout(self, fn: F) -> F:
         """Declare the step run when a timeout of its payload type (``ctx.request_timeout``) fires."""
-        step = _Step(fn, f"saga {self.label} timeout step {getattr(fn, '__name__', fn)!r}", starts=False)
+        step = _Step(fn, f"saga {self.label} timeout step {getattr(fn, '__name__', fn)!r}", starts=False, timeout=True)
         name = _type_label(step.payload_type)
         if name in self._timeout_steps:
             raise HandlerError(f"saga {self.label}: two timeout steps for {name}")
@@ -465,13 +473,47 @@ class Saga(Generic[S]):
     def state_key(self, ctx: Context, correlation: str | None = None) -> str:
         """The instance's state hash (under the saga queue partition's hash tag); ``correlation``:
         the message's key, when the caller has it at hand."""
-        keyspace = ctx._broker.keyspace
-        partition = ctx._delivery.source.partition
+        return self._prefix(ctx._broker.keyspace, ctx._delivery.source.partition) + (correlation or ctx.key or "")
+
+    def _prefix(self, keyspace: KeySpace, partition: int) -> str:
+        """What the state keys of a saga queue partition start with (built once)."""
         prefix = self._prefixes.get((keyspace.namespace, partition))
         if prefix is None:
             stream = keyspace.partition(self.queue.name, partition).stream
             prefix = self._prefixes[(keyspace.namespace, partition)] = f"{stream}:saga:"
-        return prefix + (correlation or ctx.key or "")
+        return prefix
+
+    async def _read_ahead(self, broker: Broker, deliveries: list[Delivery], fence: int | None, channel: Any) -> None:
+        """Read, in one call, the states of a fetched batch's instances whose steps would read
+        them (none kept, or kept too long) and keep them for those steps (see :meth:`_run_redis`)."""
+        if self._sql is not None:
+            return
+        keyspace = broker.keyspace
+        cache = self._cached
+        ahead = self._ahead
+        now = time.monotonic()
+        keys: dict[str, None] = {}
+        partition, prefix = -1, ""
+        for d in deliveries:
+            correlation = d.envelope.key if d.envelope is not None else None
+            if not correlation:
+                continue
+            if d.source.partition != partition:  # (a batch is one partition's)
+                partition = d.source.partition
+                prefix = self._prefix(keyspace, partition)
+            key = prefix + correlation
+            kept = cache.get(key)
+            if kept is not None and kept[5] == fence and (kept[0] > now or (kept[6] is not None and not kept[6].done)):
+                continue  # its step starts on the kept state, or reads after this process's own write
+            keys[key] = None
+        if not keys:
+            return
+        rows = await broker.read_hashes(list(keys), _STATE_FIELDS, channel=channel)
+        for key, row in zip(keys, rows, strict=True):
+            if row is not None:  # (else not a hash: its step reads it and fails with the reason)
+                ahead[key] = (fence, row)
+        while len(ahead) > STATE_CACHE_SIZE:
+            ahead.popitem(last=False)
 
     async def _run_redis(self, step: _Step, source: str, body: bytes, ctx: Context, correlation: str) -> None:
         key = self.state_key(ctx, correlation)
@@ -480,6 +522,7 @@ class Saga(Generic[S]):
         # The state this process saved last, if recent and saved in this tenure of the partition
         # (taken out: it is put back once this step's outcome is decided).
         cached = self._cached.pop(key, None)
+        ahead = self._ahead.pop(key, None) if self._ahead else None
         last: _StateWrite | None = None  # the instance's last state write sent with the acks
         loaded: tuple[Any, dict[str, str]] | None = None
         state_raw = pending_raw = None
@@ -494,11 +537,12 @@ class Saga(Generic[S]):
         if loaded is None:
             if last is not None and not last.done:
                 await ctx._flush()  # read after this process's own last write of it, not before
+                ahead = None  # (which a read ahead may predate)
             last = None
-            # (sent with the other lanes' reads: one write for many steps)
-            version_raw, state_raw, pending_raw, done = await ctx._broker.read_shared(
-                "HMGET", key, "v", "s", "t", "done"
-            )
+            if ahead is not None and ahead[0] == fence:  # read with its batch
+                version_raw, state_raw, pending_raw, done = ahead[1]
+            else:  # (sent with the other lanes' reads: one write for many steps)
+                version_raw, state_raw, pending_raw, done = await ctx._broker.read_shared("HMGET", key, *_STATE_FIELDS)
             version = None if version_raw is None else int(version_raw)
             had_timeouts = bool(pending_raw) and pending_raw != b"{}"
         else:
@@ -611,6 +655,8 @@ class Saga(Generic[S]):
         old = cache.pop(key, None)  # (only if another run of the instance went on meanwhile)
         if old is not None:
             self._cached_bytes -= old[4]
+        if self._ahead:
+            self._ahead.pop(key, None)  # (read before this state: stale)
         if until is None:
             until = time.monotonic() + self._cache_ttl
         cache[key] = (until, version, state, pending, size, fence, write)
@@ -686,7 +732,7 @@ class Saga(Generic[S]):
         else:
             state = self._load_state(state_raw)
             pending = orjson.loads(pending_raw) if pending_raw else {}
-        if source.startswith("timeout:") and pending.pop(ctx.message_id, None) is None:
+        if step.timeout and pending.pop(ctx.message_id, None) is None:
             log.debug("cancelled or stale timeout ignored", saga=self.label, correlation=correlation)
             return None
         return SagaContext(ctx, self, state, correlation, version, pending, conn)
@@ -711,6 +757,7 @@ class Saga(Generic[S]):
             tx.call("DEL", key)
             tx.call("HSET", key, "v", new, "done", 1)
             tx.call("PEXPIRE", key, self.keep_completed_ms)
+            tx.after_commit(lambda: self._ahead.pop(key, None))  # (a state read ahead before it: stale)
             return
         state = _state_json(sctx.state)
         pending = orjson.dumps(sctx._pending)
@@ -749,6 +796,10 @@ class Saga(Generic[S]):
         return build_envelope(
             destination, COMMAND, payload, key=sctx.correlation, headers=headers, message_id=timeout_id
         )
+
+
+_STATE_FIELDS = ("v", "s", "t", "done")
+"""The fields of a saga instance's state hash a step reads: version, state, timeouts, completed."""
 
 
 def _state_json(state: Any) -> bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -22,6 +22,7 @@ from framework._payloads import decoder_for
 from framework.retries import DEFAULT_RETRY, RetryPolicy
 
 if TYPE_CHECKING:
+    from broker import Broker, Delivery
     from framework.middleware import Middleware
     from framework.saga import Saga
     from framework.scheduling import Job
@@ -104,6 +105,11 @@ class Handler:
     inbox: bool  # the Redis inbox (leases and records ids per group)
     timeout: float | None = DEFAULT_TIMEOUT  # seconds; None: no limit
     sql_inbox: bool = False  # inbox="sql": every run's effects and inbox row are in ctx.sql_transaction
+    # Called by the admit stage with each fetched batch's runnable deliveries before they go to the
+    # lanes, with the broker, the partition tenure's fencing token and the fetcher's connection: a
+    # handler reads ahead there what its runs will need, one round trip per batch (a saga's states).
+    # It must not fail the batch (its errors are logged and the runs go on without it).
+    prepare: Callable[[Broker, list[Delivery], int | None, Any], Awaitable[None]] | None = None
 
     @property
     def spec(self) -> DestinationSpec:
@@ -330,6 +336,7 @@ class Service:
         start: Start,
         inbox: _InboxMode | None,
         timeout: timedelta | float | None,
+        prepare: Callable[[Broker, list[Delivery], int | None, Any], Awaitable[None]] | None = None,
     ) -> Callable[[F], F]:
         try:
             dest.spec()
@@ -370,6 +377,7 @@ class Service:
                     inbox=mode is True,
                     sql_inbox=mode == "sql",
                     timeout=seconds,
+                    prepare=prepare,
                 )
             )
             return fn

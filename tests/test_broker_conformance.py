@@ -637,6 +637,28 @@ async def test_reads_from_many_tasks_share_writes_and_get_their_own_replies(brok
         assert batcher._busy == 0 and not batcher._queue
 
 
+async def test_hashes_are_read_together_in_one_call(broker: Broker, namespace: str) -> None:
+    """A saga reads a fetched batch's states ahead with ``read_hashes``: each key's fields in
+    order, None for a missing field or hash, None for the row of a key that is not a hash (the
+    others are still read), on a fetcher's channel as through the client."""
+    if not isinstance(broker, RedisBroker):
+        pytest.skip("read_hashes is the Redis broker's")
+    keys = [f"{namespace}:{{s}}:saga:{i}" for i in range(5)]
+    await broker.redis.hset(keys[0], mapping={"v": 3, "s": "three", "t": "{}"})
+    await broker.redis.hset(keys[1], mapping={"v": 1, "done": 1})
+    await broker.redis.set(keys[3], "not a hash")
+    await broker.redis.hset(keys[4], mapping={"v": 9})
+    expected = [[b"3", b"three", b"{}", None], [b"1", None, None, b"1"], [None] * 4, None, [b"9", None, None, None]]
+    assert await broker.read_hashes(keys, ("v", "s", "t", "done")) == expected
+    assert await broker.read_hashes([], ("v",)) == []
+    if not broker.cluster:
+        channel = broker.channel()
+        try:
+            assert await broker.read_hashes(keys, ("v", "s", "t", "done"), channel=channel) == expected
+        finally:
+            await channel.aclose()
+
+
 async def test_departed_consumers_with_nothing_pending_are_pruned(broker: Broker) -> None:
     spec = DestinationSpec("prune.q", "command")
     [view] = await broker.subscribe(spec, "g")

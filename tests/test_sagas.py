@@ -322,6 +322,51 @@ async def test_steps_on_owned_partitions_save_their_state_with_the_acks(redis_ur
 
 
 @pytest.mark.anyio
+async def test_a_batch_reads_its_instances_states_ahead_and_a_stale_one_runs_again(
+    redis_url: str, namespace: str
+) -> None:
+    """The states of a fetched batch's instances are read in one call before its steps run (no
+    step reads its own), and every step applies on the stored state; a state read ahead that
+    another writer moved on from since fails its version guard and the step runs again on a fresh read."""
+    journal._cached.clear()
+    journal._cached_bytes = 0
+    journal._ahead.clear()
+    async with ServiceHarness([journals], url=redis_url, namespace=namespace) as h:
+        keys = {f"r{i}": _journal_key(h, f"r{i}") for i in range(40)}
+        for k, key in keys.items():  # instances other processes started
+            await h.broker.redis.hset(key, mapping={"v": 4, "s": orjson.dumps({"seq": [0, 1, 2, 3]})})
+        async with h.client.batch() as b:
+            for k in keys:
+                b.send("journal.add", {"k": k, "s": 4}, key=k)
+        await h.run_until_idle()
+        for k, key in keys.items():
+            assert orjson.loads(await h.broker.redis.hget(key, "s")) == {"seq": [0, 1, 2, 3, 4]}, k
+            assert await h.broker.redis.hget(key, "v") == b"5"
+        reads = h.broker._reads
+        assert reads is None or reads.calls == 0  # read ahead with their batches, not one by one
+        assert not journal._ahead  # each taken by its step
+
+        # A state read ahead, then moved on by another writer before the step runs (what the
+        # guard is for): the step conflicts, runs again on the stored state, nothing is lost.
+        journal._cached.clear()
+        journal._cached_bytes = 0
+        key = keys["r0"]
+        read_hashes = h.broker.read_hashes
+
+        async def then_moved_on(*args: Any, **kw: Any) -> Any:
+            rows = await read_hashes(*args, **kw)
+            await h.broker.redis.hset(key, mapping={"v": 6, "s": orjson.dumps({"seq": [0, 1, 2, 3, 4, 5]})})
+            return rows
+
+        h.broker.read_hashes = then_moved_on  # type: ignore[method-assign]
+        await h.client.send("journal.add", {"k": "r0", "s": 6}, key="r0")
+        await h.run_until_idle()
+        assert orjson.loads(await h.broker.redis.hget(key, "s")) == {"seq": [0, 1, 2, 3, 4, 5, 6]}
+        assert await h.broker.redis.hget(key, "v") == b"7"
+        assert h.stats()["journals.saga_journal"]["retried"] >= 1  # (the conflict)
+
+
+@pytest.mark.anyio
 async def test_a_state_write_with_the_ack_that_conflicts_leaves_its_message_to_run_again(
     redis_url: str, namespace: str
 ) -> None:

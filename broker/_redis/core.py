@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
@@ -103,6 +103,17 @@ class RedisCore:
         if self._reads is None:
             self._reads = ReadBatcher(self._channels())
         return await self._reads.call(*command)
+
+    async def read_hashes(
+        self, keys: Sequence[str], fields: Sequence[str], *, channel: Channel | None = None
+    ) -> list[list[bytes | None] | None]:
+        """The same ``fields`` of each hash in ``keys`` (raw values, None where absent; None for a
+        key that is not a hash), in one script call; on a Cluster the keys must share a hash tag."""
+        if not keys:
+            return []
+        if channel is not None:
+            return await self.scripts["read_hashes"].on(channel, keys, fields)  # type: ignore[no-any-return]
+        return (await self._run_pipeline([("read_hashes", list(keys), list(fields))]))[0]  # type: ignore[no-any-return]
 
     def _partition_keys(self, name: str, partition: int) -> PartitionKeys:
         keys = self._pkeys.get((name, partition))

@@ -73,6 +73,8 @@ class Admission:
             runnable = await check_inbox(self.wiring, ledger, runnable, channel)
             if self.watching and len(runnable) < len(checked):
                 self._dropped_duplicates(ledger, checked, runnable)
+        if handler.prepare is not None and runnable:
+            await self._prepare(ledger, runnable, channel)
         for d in runnable:
             env = d.envelope
             assert env is not None
@@ -103,6 +105,15 @@ class Admission:
         if redelivered:
             await self.sort_redeliveries(ledger, redelivered, by_lane, keyless, isolated)
         lanes.submit(self.worker, ledger, by_lane, keyless, isolated, scope)
+
+    async def _prepare(self, ledger: Ledger, runnable: list[Delivery], channel: Any) -> None:
+        """The handler's read-ahead for the batch (see ``Handler.prepare``): a failure is logged,
+        never the batch's (its runs then read what they need themselves)."""
+        assert self.handler.prepare is not None
+        try:
+            await self.handler.prepare(self.wiring.broker, runnable, ledger.fence, channel)
+        except Exception as exc:
+            self.settle.log_unsettled("read-ahead failed; the runs read for themselves", exc, count=len(runnable))
 
     async def sort_redeliveries(
         self,
