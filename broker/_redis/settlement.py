@@ -123,15 +123,17 @@ class Settlement(Topology):
                 if writing:
                     mark = 0
                     for index, d in enumerate(chunk, 1):
-                        marked = inbox and d.envelope is not None
-                        if marked:
+                        if inbox and d.envelope is not None:
                             mark += 1
+                            marked = mark
+                        else:
+                            marked = 0
                         w = d.settle_write
                         if w is not None:
                             writes.append(w)
                             call_keys.append(w.key)
-                            guarded += (index, mark if marked else 0, w.guard, w.expected, len(w.fields) // 2)
-                            guarded += w.fields
+                            fields = w.fields
+                            guarded += (index, marked, w.guard, w.expected, len(fields) >> 1, *fields)
                 args += (len(writes), *guarded, fence)
                 written.append(writes)
                 calls.append(("ack", call_keys, args))
@@ -141,7 +143,9 @@ class Settlement(Topology):
             if isinstance(reply, list):
                 replies.append(int(reply[0]))
                 for w, out in zip(writes, reply[1:], strict=True):
-                    if isinstance(out, list):
+                    if type(out) is int:
+                        w.outcome = out
+                    elif isinstance(out, list):
                         w.outcome, w.error = GuardedWrite.FAILED, text(out[0])
                     else:
                         w.outcome = int(out)
