@@ -368,8 +368,10 @@ class Saga(Generic[S]):
         self._prefixes: dict[tuple[str, int], str] = {}  # (namespace, partition) -> the state keys' prefix
         self._note = self._written  # (bound once: every state write sent with the acks carries it)
         # States read ahead for fetched batches (:meth:`_read_ahead`): key -> (fencing token, the
-        # HMGET row); a step takes its instance's out, and a state kept for it drops it.
-        self._ahead: OrderedDict[str, tuple[int | None, list[Any]]] = OrderedDict()
+        # HMGET row, its bytes); a step takes its instance's out, and a state kept for it drops it.
+        # Bounded like the kept states (rows whose steps never ran, their works given up, go first).
+        self._ahead: OrderedDict[str, tuple[int | None, list[Any], int]] = OrderedDict()
+        self._ahead_bytes = 0
 
         async def step(body: bytes, ctx: Context) -> None:
             env = ctx.envelope
@@ -511,9 +513,20 @@ class Saga(Generic[S]):
         rows = await broker.read_hashes(list(keys), _STATE_FIELDS, channel=channel)
         for key, row in zip(keys, rows, strict=True):
             if row is not None:  # (else not a hash: its step reads it and fails with the reason)
-                ahead[key] = (fence, row)
-        while len(ahead) > STATE_CACHE_SIZE:
-            ahead.popitem(last=False)
+                self._drop_ahead(key)
+                size = len(row[1] or b"") + len(row[2] or b"")
+                ahead[key] = (fence, row, size)
+                self._ahead_bytes += size
+        while len(ahead) > STATE_CACHE_SIZE or self._ahead_bytes > STATE_CACHE_BYTES:
+            _, dropped = ahead.popitem(last=False)
+            self._ahead_bytes -= dropped[2]
+
+    def _drop_ahead(self, key: str) -> tuple[int | None, list[Any], int] | None:
+        """Take ``key``'s state read ahead out (None if there is none)."""
+        row = self._ahead.pop(key, None)
+        if row is not None:
+            self._ahead_bytes -= row[2]
+        return row
 
     async def _run_redis(self, step: _Step, source: str, body: bytes, ctx: Context, correlation: str) -> None:
         key = self.state_key(ctx, correlation)
@@ -522,7 +535,7 @@ class Saga(Generic[S]):
         # The state this process saved last, if recent and saved in this tenure of the partition
         # (taken out: it is put back once this step's outcome is decided).
         cached = self._cached.pop(key, None)
-        ahead = self._ahead.pop(key, None) if self._ahead else None
+        ahead = self._drop_ahead(key) if self._ahead else None
         last: _StateWrite | None = None  # the instance's last state write sent with the acks
         loaded: tuple[Any, dict[str, str]] | None = None
         state_raw = pending_raw = None
@@ -656,7 +669,7 @@ class Saga(Generic[S]):
         if old is not None:
             self._cached_bytes -= old[4]
         if self._ahead:
-            self._ahead.pop(key, None)  # (read before this state: stale)
+            self._drop_ahead(key)  # (read before this state: stale)
         if until is None:
             until = time.monotonic() + self._cache_ttl
         cache[key] = (until, version, state, pending, size, fence, write)
@@ -757,7 +770,7 @@ class Saga(Generic[S]):
             tx.call("DEL", key)
             tx.call("HSET", key, "v", new, "done", 1)
             tx.call("PEXPIRE", key, self.keep_completed_ms)
-            tx.after_commit(lambda: self._ahead.pop(key, None))  # (a state read ahead before it: stale)
+            tx.after_commit(lambda: self._drop_ahead(key))  # (a state read ahead before it: stale)
             return
         state = _state_json(sctx.state)
         pending = orjson.dumps(sctx._pending)

@@ -331,9 +331,10 @@ async def test_a_batch_reads_its_instances_states_ahead_and_a_stale_one_runs_aga
     journal._cached.clear()
     journal._cached_bytes = 0
     journal._ahead.clear()
+    journal._ahead_bytes = 0
     async with ServiceHarness([journals], url=redis_url, namespace=namespace) as h:
         keys = {f"r{i}": _journal_key(h, f"r{i}") for i in range(40)}
-        for k, key in keys.items():  # instances other processes started
+        for key in keys.values():  # instances other processes started
             await h.broker.redis.hset(key, mapping={"v": 4, "s": orjson.dumps({"seq": [0, 1, 2, 3]})})
         async with h.client.batch() as b:
             for k in keys:
@@ -344,7 +345,7 @@ async def test_a_batch_reads_its_instances_states_ahead_and_a_stale_one_runs_aga
             assert await h.broker.redis.hget(key, "v") == b"5"
         reads = h.broker._reads
         assert reads is None or reads.calls == 0  # read ahead with their batches, not one by one
-        assert not journal._ahead  # each taken by its step
+        assert not journal._ahead and journal._ahead_bytes == 0  # each taken by its step
 
         # A state read ahead, then moved on by another writer before the step runs (what the
         # guard is for): the step conflicts, runs again on the stored state, nothing is lost.
