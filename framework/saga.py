@@ -108,13 +108,7 @@ class _StateWrite(GuardedWrite):
     __slots__ = ("done",)
 
     def __init__(self, key: str, expected: str, fields: tuple[Any, ...], note: Callable[[GuardedWrite], None]) -> None:
-        self.key = key
-        self.guard = "v"
-        self.expected = expected
-        self.fields = fields
-        self.note = note
-        self.outcome = None
-        self.error = ""
+        super().__init__(key, "v", expected, fields, note)
         self.done = False
 
 
