@@ -92,7 +92,8 @@ class GroupPartition:
 class GuardedWrite:
     """Hash fields written atomically with a delivery's ack (:meth:`Settler.ack`), only if the
     hash's ``guard`` field still holds ``expected`` ('' = absent) and the message was neither
-    processed before nor settled already.
+    processed before nor settled already: ``names`` are the fields to set, ``values`` their
+    values (writes with the same guard and names share one description in the ack call).
 
     ``outcome`` is set by the ack: :data:`APPLIED`, :data:`SKIPPED` (a duplicate, or the entry no
     longer pending: nothing written, the entry acknowledged as usual), :data:`CONFLICT` (the guard
@@ -101,18 +102,29 @@ class GuardedWrite:
     caller's own (the broker never reads it).
     """
 
-    __slots__ = ("error", "expected", "fields", "guard", "key", "note", "outcome")
+    __slots__ = ("error", "expected", "guard", "key", "names", "note", "outcome", "values")
 
     APPLIED = 1
     SKIPPED = 0
     CONFLICT = -2
     FAILED = -3
 
-    def __init__(self, key: str, guard: str, expected: str, fields: Sequence[Any], note: Any = None) -> None:
+    def __init__(
+        self,
+        key: str,
+        guard: str,
+        expected: str,
+        names: tuple[str, ...],
+        values: Sequence[Any],
+        note: Any = None,
+    ) -> None:
+        if len(names) != len(values):
+            raise ValueError(f"a guarded write of {key!r} names {len(names)} fields for {len(values)} values")
         self.key = key
         self.guard = guard
         self.expected = expected
-        self.fields = fields  # field, value, field, value, ...
+        self.names = names
+        self.values = values
         self.note = note
         self.outcome: int | None = None  # None until an ack call ran it
         self.error = ""

@@ -101,15 +101,43 @@ STATE_CACHE_SECONDS = 30.0
 """How long a kept state is used (at most half of ``keep_completed``) before it is read again."""
 
 
+class _Kept:
+    """An instance's state as this process saved it last, kept for its next step (see
+    :meth:`Saga._keep_state`): one object an instance, reused by its next steps, so a step
+    allocates nothing that outlives its ack (no garbage for the collector's older generations).
+    ``write``: its last save sent with the acks while that ack has not run (see
+    :meth:`Saga._save_with_ack`); ``applied``: False once a save sent with the acks was not."""
+
+    __slots__ = ("applied", "fence", "key", "pending", "size", "state", "until", "version", "write")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.write: _StateWrite | None = None
+        self.applied = True
+        self.until = 0.0  # (monotonic) usable until then; 0: only its write is kept, for the next read to wait for
+        self.version = 0
+        self.state: Any = None
+        self.pending: dict[str, str] = {}
+        self.size = 0  # bytes of the state's JSON (and its timeouts'), counted against the budget
+        self.fence: int | None = None  # the tenure that saved it
+
+
 class _StateWrite(GuardedWrite):
-    """A saga state write sent with the acks (see :meth:`Saga._save_with_ack`): ``done`` once an
-    ack call ran it (or was refused); ``note`` is the saga's :meth:`Saga._written`."""
+    """A saga state write sent with the acks (see :meth:`Saga._save_with_ack`), for ``entry``;
+    ``note`` is the saga's :meth:`Saga._written`."""
 
-    __slots__ = ("done",)
+    __slots__ = ("entry",)
 
-    def __init__(self, key: str, expected: str, fields: tuple[Any, ...], note: Callable[[GuardedWrite], None]) -> None:
-        super().__init__(key, "v", expected, fields, note)
-        self.done = False
+    def __init__(
+        self,
+        entry: _Kept,
+        expected: str,
+        names: tuple[str, ...],
+        values: tuple[Any, ...],
+        note: Callable[[GuardedWrite], None],
+    ) -> None:
+        super().__init__(entry.key, "v", expected, names, values, note)
+        self.entry = entry
 
 
 class SagaError(Exception):
@@ -345,15 +373,12 @@ class Saga(Generic[S]):
         self._timeout_steps: dict[str, _Step] = {}  # payload type name -> step
         self._retry = _saga_policy(retry or service.retry)
         self._state_decode = decoder_for(state) if isinstance(state, type) else None
-        # Redis state of instances this process saved last: (valid until, version, state, timeouts,
-        # bytes of their JSON, fencing token of the tenure that saved it, its write
-        # when that was sent with the acks). The commit's version guard checks it as it checks a
-        # fresh read (a stale entry conflicts and the step runs again on a fresh read); an entry
-        # lives less than keep_completed, so a completed instance's key cannot expire and climb back
-        # to a cached version meanwhile. Decoded, so a step of a kept instance neither reads nor decodes it.
-        self._cached: OrderedDict[str, tuple[float, int, Any, dict[str, str], int, int | None, _StateWrite | None]] = (
-            OrderedDict()
-        )
+        # Redis state of instances this process saved last (:class:`_Kept`). The commit's version
+        # guard checks it as it checks a fresh read (a stale entry conflicts and the step runs again
+        # on a fresh read); an entry lives less than keep_completed, so a completed instance's key
+        # cannot expire and climb back to a cached version meanwhile. Decoded, so a step of a kept
+        # instance neither reads nor decodes it.
+        self._cached: OrderedDict[str, _Kept] = OrderedDict()
         self._cached_bytes = 0
         self._cache_ttl = min(STATE_CACHE_SECONDS, keep / 2)
         # instances whose state write sent with the acks was not applied: their next step commits
@@ -499,7 +524,7 @@ class Saga(Generic[S]):
                 prefix = self._prefix(keyspace, partition)
             key = prefix + correlation
             kept = cache.get(key)
-            if kept is not None and kept[5] == fence and (kept[0] > now or (kept[6] is not None and not kept[6].done)):
+            if kept is not None and kept.fence == fence and (kept.until > now or kept.write is not None):
                 continue  # its step starts on the kept state, or reads after this process's own write
             keys[key] = None
         if not keys:
@@ -530,19 +555,20 @@ class Saga(Generic[S]):
         # (taken out: it is put back once this step's outcome is decided).
         cached = self._cached.pop(key, None)
         ahead = self._drop_ahead(key) if self._ahead else None
-        last: _StateWrite | None = None  # the instance's last state write sent with the acks
+        last: _Kept | None = None  # the instance's entry, kept in this tenure: its last save, maybe unsent
         loaded: tuple[Any, dict[str, str]] | None = None
         state_raw = pending_raw = None
         size = 0  # bytes of the kept state's JSON
         if cached is not None:
-            self._cached_bytes -= cached[4]
-            if cached[5] == fence:
-                last = cached[6]
-                if cached[0] > now:
-                    _, version, state, pending, size, _, _ = cached
-                    loaded = (state, pending)  # (the step changes them in place)
+            self._cached_bytes -= cached.size
+            if cached.fence == fence:
+                last = cached
+                if cached.until > now:
+                    version = cached.version
+                    loaded = (cached.state, cached.pending)  # (the step changes them in place)
+                    size = cached.size
         if loaded is None:
-            if last is not None and not last.done:
+            if last is not None and last.write is not None:
                 await ctx._flush()  # read after this process's own last write of it, not before
                 ahead = None  # (which a read ahead may predate)
             last = None
@@ -562,8 +588,8 @@ class Saga(Generic[S]):
             if sctx is not None:
                 await step.run(body, sctx)
         except BaseException:
-            if last is not None and not last.done:  # (the state was changed in place: not kept, but
-                self._keep_state(key, 0, None, {}, 0, fence, last, until=0.0)  # the next read waits for the write)
+            if last is not None and last.write is not None:  # (the state was changed in place: not kept, but
+                self._keep_state(last, 0, None, {}, 0, fence, until=0.0)  # the next read waits for the write)
             raise
         # Owned partition (a fencing token): only this process writes the instance in this tenure,
         # so a step that only changes the state needs no commit of its own: the write goes with the
@@ -577,12 +603,12 @@ class Saga(Generic[S]):
         )
         if sctx is not None:
             if fast and not sctx._timeouts and not sctx._completed:
-                self._save_with_ack(ctx, sctx, key, version or 0, had_timeouts, now)
+                self._save_with_ack(ctx, sctx, key, version or 0, had_timeouts, now, cached)
                 return
             if last is not None:
-                if not last.done:
+                if last.write is not None:
                     await ctx._flush()  # its previous state write first (this commit builds on it)
-                if last.outcome != GuardedWrite.APPLIED:  # (the tenure is over: this run commits nothing,
+                if not last.applied:  # (the tenure is over: this run commits nothing,
                     raise EffectsConflict(  # the next tenure runs it)
                         f"saga {self.label}: the instance's previous state write was not applied"
                     )
@@ -600,44 +626,58 @@ class Saga(Generic[S]):
             pending_raw = pending_raw or b"{}"
             loaded = (self._load_state(state_raw), orjson.loads(pending_raw))
             size = len(state_raw) + len(pending_raw)
-        if fast:
-            self._keep_state(key, version, *loaded, size, fence, last)
+        if fast:  # (its last write, if unsent, stays what the next read waits for)
+            self._keep_state(last or _Kept(key), version, *loaded, size, fence)
         else:
             tx = ctx.redis_transaction()
             tx.expect(key, "v", version)
             self._cache_after_commit(tx, key, version, *loaded, size, fence)
 
     def _save_with_ack(
-        self, ctx: Context, sctx: SagaContext[S], key: str, version: int, had_timeouts: bool, now: float
+        self,
+        ctx: Context,
+        sctx: SagaContext[S],
+        key: str,
+        version: int,
+        had_timeouts: bool,
+        now: float,
+        entry: _Kept | None,
     ) -> None:
         """Save the state with the message's ack (see :class:`~broker.GuardedWrite`), guarded by
         ``version``, and keep it for the instance's next step at once (``had_timeouts``: whether
-        the stored timeouts field holds any, else it is written only when some are pending)."""
+        the stored timeouts field holds any, else it is written only when some are pending;
+        ``entry``: the instance's entry taken from the kept ones, reused in this tenure)."""
         new = version + 1
         raw = _state_json(sctx.state)
         pending = sctx._pending
         if pending or had_timeouts:
             timeouts = orjson.dumps(pending)
-            fields: tuple[Any, ...] = ("v", new, "s", raw, "t", timeouts)
+            names, values = _SAVED_WITH_TIMEOUTS, (new, raw, timeouts)
             size = len(raw) + len(timeouts)
         else:  # (absent or {} stored: left as it is)
-            fields = ("v", new, "s", raw)
+            names, values = _SAVED, (new, raw)
             size = len(raw) + 2
-        write = ctx._ack_write = _StateWrite(key, str(version) if version else "", fields, self._note)
-        self._keep_state(key, new, sctx.state, pending, size, ctx._fence, write, now + self._cache_ttl)
+        fence = ctx._fence
+        if entry is None or not entry.applied or (entry.fence != fence and entry.write is not None):
+            entry = _Kept(key)  # (a write of an earlier tenure may still be noted on the old one)
+        entry.write = ctx._ack_write = _StateWrite(entry, str(version) if version else "", names, values, self._note)
+        self._keep_state(entry, new, sctx.state, pending, size, fence, now + self._cache_ttl)
 
     def _written(self, write: GuardedWrite) -> None:
         """The ack call ran a state write sent with it (or was refused): a write not applied (the
         settle stage logs why) may be what is kept for its instance, so that goes; the instance's
         next step reads and commits by the general path."""
-        write.done = True  # type: ignore[attr-defined]
+        entry: _Kept = write.entry  # type: ignore[attr-defined]
+        if entry.write is write:
+            entry.write = None  # (the entry no longer holds it: it dies young)
         if write.outcome == GuardedWrite.APPLIED:
             return
+        entry.applied = False
         key = write.key
         cached = self._cached.get(key)
         if cached is not None:
             del self._cached[key]
-            self._cached_bytes -= cached[4]
+            self._cached_bytes -= cached.size
         careful = self._careful
         careful[key] = None
         while len(careful) > STATE_CACHE_SIZE:
@@ -645,32 +685,36 @@ class Saga(Generic[S]):
 
     def _keep_state(
         self,
-        key: str,
+        entry: _Kept,
         version: int,
         state: Any,
         pending: dict[str, str],
         size: int,
         fence: int | None,
-        write: _StateWrite | None,
         until: float | None = None,
     ) -> None:
-        """Keep ``key``'s state as saved at ``version`` (``size``: the bytes of its JSON, counted
-        against the budget) by the tenure of ``fence``, usable ``until`` (monotonic; default: the
-        cache's lifetime from now; 0: not usable, only ``write`` - its last state write sent with
-        the acks - is kept for the next read to wait for)."""
+        """Keep ``entry`` (its key's) with the state saved at ``version`` (``size``: the bytes of
+        its JSON, counted against the budget) by the tenure of ``fence``, usable ``until``
+        (monotonic; default: the cache's lifetime from now; 0: not usable, only its write - the
+        last sent with the acks - is kept for the next read to wait for)."""
         cache = self._cached
+        key = entry.key
         old = cache.pop(key, None)  # (only if another run of the instance went on meanwhile)
         if old is not None:
-            self._cached_bytes -= old[4]
+            self._cached_bytes -= old.size
         if self._ahead:
             self._drop_ahead(key)  # (read before this state: stale)
-        if until is None:
-            until = time.monotonic() + self._cache_ttl
-        cache[key] = (until, version, state, pending, size, fence, write)
+        entry.until = time.monotonic() + self._cache_ttl if until is None else until
+        entry.version = version
+        entry.state = state
+        entry.pending = pending
+        entry.size = size
+        entry.fence = fence
+        cache[key] = entry
         self._cached_bytes += size
         while len(cache) > STATE_CACHE_SIZE or self._cached_bytes > STATE_CACHE_BYTES:
             _, dropped = cache.popitem(last=False)
-            self._cached_bytes -= dropped[4]
+            self._cached_bytes -= dropped.size
 
     def _cache_after_commit(
         self, tx: Any, key: str, version: int, state: Any, pending: dict[str, str], size: int, fence: int | None
@@ -680,7 +724,7 @@ class Saga(Generic[S]):
 
         def keep() -> None:
             self._careful.pop(key, None)
-            self._keep_state(key, version, state, pending, size, fence, None)
+            self._keep_state(_Kept(key), version, state, pending, size, fence)
 
         tx.after_commit(keep)
 
@@ -806,6 +850,8 @@ class Saga(Generic[S]):
 
 
 _STATE_FIELDS = ("v", "s", "t", "done")
+_SAVED = ("v", "s")  # the fields a step's save sent with the ack writes: version, state
+_SAVED_WITH_TIMEOUTS = ("v", "s", "t")  # (and the timeouts, once the instance has had some)
 """The fields of a saga instance's state hash a step reads: version, state, timeouts, completed."""
 
 

@@ -96,7 +96,7 @@ async def test_state_writes_sent_with_the_acks_are_guarded_and_hold_back_what_th
     await broker.redis.hset(keys[1], "v", 5)  # moved on: d1's guard (absent) fails
     await broker.redis.set(keys[3], "not a hash")  # d3's write is refused (WRONGTYPE)
     for d, key in zip(ds, keys, strict=True):
-        d.settle_write = GuardedWrite(key, "v", "", ("v", 1, "s", b'{"n": 1}'))
+        d.settle_write = GuardedWrite(key, "v", "", ("v", "s"), (1, b'{"n": 1}'))
     assert await broker.ack(view, ds, inbox=True) == 2
     outcomes = [d.settle_write.outcome for d in ds if d.settle_write is not None]
     assert outcomes == [GuardedWrite.APPLIED, GuardedWrite.CONFLICT, GuardedWrite.APPLIED, GuardedWrite.FAILED]
@@ -111,7 +111,7 @@ async def test_state_writes_sent_with_the_acks_are_guarded_and_hold_back_what_th
     # The same ack again (its reply was lost): the applied entries are no longer pending, so
     # nothing is written twice; d1 with its guard now right is applied.
     await broker.redis.hset(keys[0], "s", "after")
-    ds[1].settle_write = GuardedWrite(keys[1], "v", "5", ("v", 6))
+    ds[1].settle_write = GuardedWrite(keys[1], "v", "5", ("v",), (6,))
     await broker.ack(view, ds[:3], inbox=True)
     assert [d.settle_write.outcome for d in ds[:3]] == [  # type: ignore[union-attr]
         GuardedWrite.SKIPPED,
@@ -124,14 +124,14 @@ async def test_state_writes_sent_with_the_acks_are_guarded_and_hold_back_what_th
     # A duplicate (its message id already processed) is acked without its write.
     await broker.publish([Envelope(destination="saga.acked", kind="command", type="t", body=b"{}", id=envs[0].id)])
     [dup] = await broker.read(view, "c", 10, 10)
-    dup.settle_write = GuardedWrite(keys[0], "v", "1", ("v", 2))
+    dup.settle_write = GuardedWrite(keys[0], "v", "1", ("v",), (2,))
     assert await broker.ack(view, [dup], inbox=True) == 1
     assert dup.settle_write.outcome == GuardedWrite.SKIPPED
     assert await broker.redis.hget(keys[0], "v") == b"1"
 
     # Fenced: a stale token writes and acks nothing.
     token = await broker.acquire_lease(view, "me", 5_000)
-    ds[3].settle_write = GuardedWrite(keys[2], "v", "1", ("v", 99))
+    ds[3].settle_write = GuardedWrite(keys[2], "v", "1", ("v",), (99,))
     with pytest.raises(LeaseLost):
         await broker.ack(view, [ds[3]], inbox=True, token=token + 1)
     assert ds[3].settle_write.outcome is None
@@ -146,6 +146,38 @@ async def test_state_writes_sent_with_the_acks_are_guarded_and_hold_back_what_th
     assert await broker.ack(view, [ds[3]], inbox=True, token=token) == 0
     assert ds[3].settle_write.outcome == GuardedWrite.SKIPPED
     assert await broker.redis.hget(keys[2], "v") == b"1"
+
+
+@pytest.mark.anyio
+async def test_guarded_writes_of_any_shape_share_one_ack(broker: RedisBroker) -> None:
+    """Writes of different guards and field lists in one ack call (the call describes each list
+    once): every hash gets exactly its own fields and values; one of no fields is refused."""
+    spec = await broker.declare(DestinationSpec("saga.shapes", "command"))
+    [view] = await broker.subscribe(spec, "g")
+    shapes: list[tuple[str, tuple[str, ...], tuple[object, ...]]] = [
+        ("v", ("v",), (1,)),
+        ("v", ("v", "s"), (1, b"two")),
+        ("g", ("a", "b", "c", "d"), ("A", b"B", 3, "D")),
+        ("v", ("v", "s", "t"), (1, "x", "{}")),
+        ("v", ("v", "s"), (7, b"again")),  # the second shape again
+        ("v", (), ()),  # nothing to write: refused by the server
+    ]
+    envs = [Envelope(destination="saga.shapes", kind="command", type="t", body=b"{}", id=new_id()) for _ in shapes]
+    await broker.publish(envs)
+    ds = await broker.read(view, "c", 10, 10)
+    keys = [f"{view.stream}:saga:shape-{i}" for i in range(len(shapes))]
+    for d, key, (guard, names, values) in zip(ds, keys, shapes, strict=True):
+        d.settle_write = GuardedWrite(key, guard, "", names, values)
+    assert await broker.ack(view, ds, inbox=True) == len(shapes) - 1
+    assert [d.settle_write.outcome for d in ds if d.settle_write] == [GuardedWrite.APPLIED] * 5 + [GuardedWrite.FAILED]
+    for key, (_, names, values) in zip(keys[:-1], shapes[:-1], strict=True):
+        stored = await broker.redis.hgetall(key)
+        assert stored == {
+            n.encode(): str(v).encode() if not isinstance(v, bytes) else v for n, v in zip(names, values, strict=True)
+        }
+    assert not await broker.redis.exists(keys[-1])
+    with pytest.raises(ValueError, match="names 2 fields for 1 values"):
+        GuardedWrite("k", "v", "", ("v", "s"), (1,))
 
 
 def test_conflicts_are_retried_at_once_and_never_dead_letter_the_step() -> None:
@@ -276,8 +308,8 @@ async def test_kept_states_stay_within_their_byte_budget(
             await h.run_until_idle()
     kept = {key.rsplit(":", 1)[1]: entry for key, entry in tally._cached.items()}
     assert list(kept) == ["e", "f", "g", "h"]  # 4 x 9 bytes fit in 40, the older ones were dropped
-    assert tally._cached_bytes == sum(e[4] for e in kept.values()) == 36
-    assert [e[2] for e in kept.values()] == [{"n": 1}] * 4  # kept decoded: the next step neither reads nor decodes
+    assert tally._cached_bytes == sum(e.size for e in kept.values()) == 36
+    assert [e.state for e in kept.values()] == [{"n": 1}] * 4  # kept decoded: the next step neither reads nor decodes
 
 
 # -- owned partitions: the state saved with the ack --------------------------------------------------

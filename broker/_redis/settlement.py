@@ -12,6 +12,7 @@ the check.
 
 from __future__ import annotations
 
+import struct
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -119,8 +120,10 @@ class Settlement(Topology):
                 ]
                 call_keys = [stream, *script_keys]
                 writes: list[GuardedWrite] = []
-                guarded: list[Any] = []  # the writes' part of ARGV (see ack.lua)
-                if writing:
+                if writing:  # the writes' part of ARGV (see ack.lua)
+                    shapes: dict[tuple[str, tuple[str, ...]], int] = {}  # (guard, names) -> its number
+                    meta: list[int] = []  # per write: its entry's index, its inbox id's (0: none), its shape
+                    values: list[Any] = []  # per write: the expected value, then the values
                     mark = 0
                     for index, d in enumerate(chunk, 1):
                         if inbox and d.envelope is not None:
@@ -132,9 +135,20 @@ class Settlement(Topology):
                         if w is not None:
                             writes.append(w)
                             call_keys.append(w.key)
-                            fields = w.fields
-                            guarded += (index, marked, w.guard, w.expected, len(fields) >> 1, *fields)
-                args += (len(writes), *guarded, fence)
+                            shape = (w.guard, w.names)
+                            number = shapes.get(shape)
+                            if number is None:
+                                number = shapes[shape] = len(shapes) + 1
+                            meta += (index, marked, number)
+                            values.append(w.expected)
+                            values += w.values
+                    args += (len(writes), struct.pack(f">{len(meta)}H", *meta), len(shapes))
+                    for guard, names in shapes:
+                        args += (len(names), guard, *names)
+                    args += values
+                else:
+                    args.append(0)
+                args.append(fence)
                 written.append(writes)
                 calls.append(("ack", call_keys, args))
         raw = await (self._run_on(channel, calls) if channel is not None else self._run_pipeline(calls))

@@ -16,9 +16,11 @@
 -- ARGV[6]  k, message ids whose attempt counters to drop, after those
 -- ARGV[7 ..]  the n entry ids, the m inbox ids (text), one string of their m 16-byte records
 --             (broker.keys.inbox_records; '' when m is 0), the k counter ids, then w: guarded writes
---             that follow (broker.protocol.GuardedWrite), each: the index of its entry (1..n), of
---             its inbox id (1..m, 0 for none), the guard field, the value it must hold ('' = absent),
---             p, then p field/value pairs to HSET; KEYS[4 + j] is write j's hash
+--             (broker.protocol.GuardedWrite) that follow. With w > 0: a string of three 16-bit
+--             big-endian numbers per write (the index of its entry 1..n, of its inbox id 1..m or 0
+--             for none, of its shape 1..s), s, then s shapes (p, the guard field, the p field names
+--             to HSET), then per write the value its guard must hold ('' = absent) and its p values;
+--             KEYS[4 + j] is write j's hash
 -- A guarded write is applied before the acks, unless its entry is no longer pending or its message
 -- was processed before (both: skipped, the entry acknowledged as usual; on a fenced call an entry
 -- whose message id is recorded is checked by that record alone); when its guard field does
@@ -73,22 +75,31 @@ if w == 0 then
   return settle(ARGV, 7, 6 + n, ARGV, 7 + n, 6 + n + m, recs)
 end
 
--- Guarded writes first (the ids they carry are checked against the inbox in one pass).
-local writes, subs = {}, {}
-local pos = wpos + 1
+-- Guarded writes first (the ids they carry are checked against the inbox in one pass). Flat
+-- arrays, not a table per write: tables cost server time per write.
+local meta, shapes = ARGV[wpos + 1], tonumber(ARGV[wpos + 2])
+local pos = wpos + 3
+local fcount, fguard, fnames = {}, {}, {}  -- per shape: p, guard field, ARGV index of its first name
+for s = 1, shapes do
+  local p = tonumber(ARGV[pos])
+  fcount[s], fguard[s], fnames[s] = p, ARGV[pos + 1], pos + 2
+  pos = pos + 2 + p
+end
+local wentry, wmark, wshape, wvalue, subs = {}, {}, {}, {}, {}
 for j = 1, w do
-  local x = {entry = tonumber(ARGV[pos]), mark = tonumber(ARGV[pos + 1]), guard = ARGV[pos + 2],
-    expected = ARGV[pos + 3], first = pos + 5, last = pos + 4 + 2 * tonumber(ARGV[pos + 4])}
-  writes[j] = x
-  subs[j] = x.mark > 0 and string.sub(recs, x.mark * 16 - 15, x.mark * 16) or INBOX_ZERO
-  pos = x.last + 1
+  local a, b, c, d, e, f = string.byte(meta, j * 6 - 5, j * 6)
+  local mark, shape = c * 256 + d, e * 256 + f
+  wentry[j], wmark[j], wshape[j], wvalue[j] = a * 256 + b, mark, shape, pos  -- (its expected value)
+  subs[j] = mark > 0 and string.sub(recs, mark * 16 - 15, mark * 16) or INBOX_ZERO
+  pos = pos + 1 + fcount[shape]
 end
 local seen = inbox_seen_many(KEYS[2], table.concat(subs), w)
 local outcomes, done, held_entries, held_marks = {}, {}, nil, nil
 for j = 1, w do
-  local x = writes[j]
-  local entry = ARGV[6 + x.entry]
-  local id = x.mark > 0 and ARGV[6 + n + x.mark] or nil
+  local mark, shape, v = wmark[j], wshape[j], wvalue[j]
+  local entry = ARGV[6 + wentry[j]]
+  local id = mark > 0 and ARGV[6 + n + mark] or nil
+  local key = KEYS[4 + j]
   local out
   -- Settled already (a repeated call after a lost reply): nothing again. A fenced call whose write
   -- carries an inbox id needs no XPENDING: in a current tenure only the owner's fenced calls settle
@@ -99,13 +110,26 @@ for j = 1, w do
       and (tonumber(redis.call('ZSCORE', KEYS[2], id)) or -1) >= 0)) then
     out = 0  -- processed before: a duplicate, acknowledged without its write
   else
-    local current = redis.pcall('HGET', KEYS[4 + j], x.guard)
+    local current = redis.pcall('HGET', key, fguard[shape])
     if type(current) == 'table' and current.err then
       out = {current.err}
-    elseif (current or '') ~= x.expected then
+    elseif (current or '') ~= ARGV[v] then
       out = -2
     else
-      local res = redis.pcall('HSET', KEYS[4 + j], unpack(ARGV, x.first, x.last))
+      local p, f, res = fcount[shape], fnames[shape], nil
+      if p == 2 then  -- (the common shapes called directly: no table built)
+        res = redis.pcall('HSET', key, ARGV[f], ARGV[v + 1], ARGV[f + 1], ARGV[v + 2])
+      elseif p == 3 then
+        res = redis.pcall('HSET', key, ARGV[f], ARGV[v + 1], ARGV[f + 1], ARGV[v + 2], ARGV[f + 2], ARGV[v + 3])
+      elseif p == 1 then
+        res = redis.pcall('HSET', key, ARGV[f], ARGV[v + 1])
+      else
+        local fv = {}
+        for i = 0, p - 1 do
+          fv[2 * i + 1], fv[2 * i + 2] = ARGV[f + i], ARGV[v + 1 + i]
+        end
+        res = redis.pcall('HSET', key, unpack(fv))
+      end
       if type(res) == 'table' and res.err then
         out = {res.err}
       else
@@ -116,10 +140,10 @@ for j = 1, w do
   end
   if out ~= 1 and out ~= 0 then  -- not written: left pending, neither acknowledged nor recorded
     held_entries = held_entries or {}
-    held_entries[x.entry] = true
-    if x.mark > 0 then
+    held_entries[wentry[j]] = true
+    if mark > 0 then
       held_marks = held_marks or {}
-      held_marks[x.mark] = true
+      held_marks[mark] = true
     end
   end
   outcomes[j] = out
