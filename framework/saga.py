@@ -850,9 +850,10 @@ class Saga(Generic[S]):
 
 
 _STATE_FIELDS = ("v", "s", "t", "done")
+"""The fields of a saga instance's state hash a step reads: version, state, timeouts, completed."""
+
 _SAVED = ("v", "s")  # the fields a step's save sent with the ack writes: version, state
 _SAVED_WITH_TIMEOUTS = ("v", "s", "t")  # (and the timeouts, once the instance has had some)
-"""The fields of a saga instance's state hash a step reads: version, state, timeouts, completed."""
 
 
 def _state_json(state: Any) -> bytes:
