@@ -27,8 +27,8 @@ import anyio
 
 from benchmarks.ownership_bench import OWNED, WORKER_OPTS, _send
 from benchmarks.procs import child
-from broker.embedded_cluster import start_cluster
-from broker.sync_client import sync_client
+from broker.redis.embedded_cluster import start_cluster
+from broker.redis.sync_client import sync_client
 from framework.testing import delete_namespace, unique_namespace
 
 __all__ = ["SPREAD", "run", "trial"]

@@ -30,7 +30,8 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from broker import EmbeddedServer, Envelope, connect
+from broker import Envelope, connect
+from broker.redis import EmbeddedServer
 from framework import outbox
 from framework.logs import configure_logging
 from framework.sql import redact_url

@@ -35,7 +35,7 @@ from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 
 from broker.codec import encode_fields
 from broker.envelope import Envelope
-from broker.keys import KeySpace
+from broker.redis.keys import KeySpace
 from broker.topology import DestinationSpec
 from spark_bridge.export import ExportJob, start_export, with_date
 from spark_bridge.offsets import open_client

@@ -1,11 +1,12 @@
-"""Transport: envelopes, their codec, the Broker contract and its Redis Streams implementation.
+"""Transports: envelopes, their codec, the Broker contract, and one package per transport.
 
-This package knows nothing of services or handlers; ``framework`` builds on it and ``spark_bridge``
-reads the same streams through it.
+``broker.redis`` (Redis Streams, the embedded Valkey) and ``broker.memory`` (in-process, for users'
+unit tests) implement the contract of :mod:`broker.protocol`; :func:`connect` picks one by URL
+scheme. This package knows nothing of services or handlers; ``framework`` builds on it and
+``spark_bridge`` reads the same streams through it.
 """
 
 from broker.connect import connect, default_namespace, redact, resolve_url
-from broker.embedded import EmbeddedServer, ServerStatus, default_data_dir, framework_home
 from broker.envelope import COMMAND, EVENT, Envelope, Kind, now_ms
 from broker.errors import (
     BrokerError,
@@ -18,9 +19,7 @@ from broker.errors import (
     PermissionDenied,
 )
 from broker.ids import derive_id, id_time_ms, new_id
-from broker.keys import GroupKeys, KeySpace, PartitionKeys
 from broker.protocol import Broker, Delivery, GroupPartition, GuardedWrite, Start
-from broker.redis_broker import RedisBroker
 from broker.topology import DEFAULT_RETENTION_MS, DestinationSpec, validate_name
 
 __all__ = [
@@ -36,24 +35,16 @@ __all__ = [
     "DestinationSpec",
     "EffectsFailed",
     "LeaseLost",
-    "EmbeddedServer",
     "Envelope",
-    "GroupKeys",
     "GroupPartition",
     "GuardedWrite",
-    "KeySpace",
     "Kind",
     "MessageTooLarge",
-    "PartitionKeys",
     "PermissionDenied",
-    "RedisBroker",
-    "ServerStatus",
     "Start",
     "connect",
-    "default_data_dir",
     "default_namespace",
     "derive_id",
-    "framework_home",
     "id_time_ms",
     "new_id",
     "now_ms",

@@ -1,54 +1,54 @@
-"""Connecting to the broker: ``REDIS_URL`` when set, else the shared embedded Valkey."""
+"""Choosing a transport by URL scheme and connecting to it.
+
+``url``, else ``$BROKER_URL``, else ``$REDIS_URL``, else the shared embedded Valkey (started if
+needed). Schemes: ``redis://``, ``rediss://``, ``unix://`` (Redis or Valkey, single node or
+Cluster) and ``memory://[name]`` (in this process only: for users' unit tests, see
+:mod:`broker.memory`). An unknown scheme is refused with the list of those there are.
+"""
 
 from __future__ import annotations
 
-import functools
 import os
-import re
 import sys
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-import redis.asyncio as aredis
-import redis.asyncio.connection as aconn
-from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
+from broker.errors import BrokerUnavailable
+from broker.protocol import Broker
+from broker.urls import default_namespace, redact
 
-from broker.embedded import EmbeddedServer
-from broker.errors import BrokerUnavailable, PermissionDenied
-from broker.redis_broker import RedisBroker
-from broker.wire import client_options, command_timeout_from_env
+__all__ = ["MEMORY_SCHEMES", "REDIS_SCHEMES", "connect", "default_namespace", "is_memory_url", "redact", "resolve_url"]
 
-__all__ = ["connect", "default_namespace", "redact", "resolve_url"]
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+MEMORY_SCHEMES = ("memory",)
+_SCHEMES_HELP = "redis://host:port/db, rediss://host:port/db, unix:///path/to/socket or memory://[name]"
 
 
-def default_namespace() -> str:
-    """``$FRAMEWORK_NAMESPACE`` or ``fw``."""
-    return os.environ.get("FRAMEWORK_NAMESPACE") or "fw"
+def configured_url() -> str | None:
+    """The URL the environment names: ``$BROKER_URL``, else ``$REDIS_URL``, else None."""
+    return os.environ.get("BROKER_URL") or os.environ.get("REDIS_URL") or None
 
 
-def redact(url: str) -> str:
-    """The URL with any password replaced by ``***`` (for messages and logs)."""
-    try:
-        parts = urlsplit(url)
-        password, port = parts.password, parts.port
-    except ValueError:  # unparsable: show nothing that could be a secret
-        return "<unparsable URL>"
-    if password:
-        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{port}" if port else "")
-        url = urlunsplit(parts._replace(netloc=netloc))
-    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)  # redis-py also takes ?password=...
+def scheme_of(url: str) -> str:
+    """The URL's scheme, lower-cased ('' when it has none)."""
+    head, sep, _ = url.partition("://")
+    return head.lower() if sep else ""
+
+
+def is_memory_url(url: str | None) -> bool:
+    """Whether ``url`` names the in-process transport (which several processes can never share)."""
+    return bool(url) and scheme_of(url or "") in MEMORY_SCHEMES
 
 
 def resolve_url(url: str | None = None, data_dir: Path | str | None = None) -> str:
-    """The broker URL to use: ``url``, else ``$REDIS_URL``, else the embedded server (started if needed)."""
-    url = url or os.environ.get("REDIS_URL") or None
+    """The broker URL to use: ``url``, else ``$BROKER_URL`` / ``$REDIS_URL``, else the embedded
+    server's (started if needed). Raises :class:`BrokerUnavailable` for an unknown scheme."""
+    url = url or configured_url()
     if url:
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise BrokerUnavailable(
-                f"invalid broker URL {redact(url)!r}: expected redis://host:port/db, rediss://... or unix://path"
-            )
+        if scheme_of(url) not in REDIS_SCHEMES + MEMORY_SCHEMES:
+            raise BrokerUnavailable(f"invalid broker URL {redact(url)!r}: expected {_SCHEMES_HELP}")
         return url
+    from broker.redis.embedded import EmbeddedServer
+
     return EmbeddedServer(data_dir, announce=_announce).ensure_running()
 
 
@@ -58,94 +58,30 @@ def _announce(line: str) -> None:
     print(f"framework: {line}", file=sys.stderr, flush=True)
 
 
-_SCRIPT_ACL = ("The user executing the script can't", "ACL failure in script")  # Redis 7, Valkey
-
-
-class _ScriptErrors(dict):  # type: ignore[type-arg]
-    """ERR replies by message; a script's ACL refusal becomes a :class:`PermissionDenied`."""
-
-    permission: Any = None
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        if isinstance(key, str) and key.startswith(_SCRIPT_ACL):
-            return self.permission
-        return super().get(key, default)
-
-
-@functools.cache
-def _permission_parser(namespace: str) -> type:
-    """The default reply parser, raising :class:`PermissionDenied` (one line naming the command and
-    ``~namespace:*``) for ACL refusals instead of redis' bare ``NoPermissionError``."""
-    base: Any = aconn.DefaultParser
-    factory = functools.partial(PermissionDenied, namespace=namespace)
-    classes = dict(base.EXCEPTION_CLASSES)
-    classes["NOPERM"] = factory
-    script_errors = _ScriptErrors(classes.get("ERR", {}))
-    script_errors.permission = factory
-    classes["ERR"] = script_errors
-    return type("PermissionAwareParser", (base,), {"EXCEPTION_CLASSES": classes})
-
-
 async def connect(
     url: str | None = None,
     *,
     namespace: str | None = None,
     data_dir: Path | str | None = None,
     max_connections: int | None = None,
-) -> RedisBroker:
-    """Connect and check the server answers; raise :class:`BrokerUnavailable` saying how to fix it.
+) -> Broker:
+    """Connect to the transport the URL names and check it answers; raise
+    :class:`BrokerUnavailable` saying how to fix it.
 
-    Without ``url`` and ``REDIS_URL`` this uses (and if needed starts) the embedded Valkey in
-    ``data_dir`` (default :func:`broker.default_data_dir`, per user). A Redis Cluster is detected
-    and used as one. ACL refusals raise :class:`PermissionDenied`, here and on every later command.
+    Without ``url``, ``BROKER_URL`` and ``REDIS_URL`` this uses (and if needed starts) the
+    embedded Valkey in ``data_dir`` (default per user). The result keeps the :class:`Broker`
+    contract; what else it offers is declared by its capabilities (:mod:`broker.capabilities`).
     """
-    explicit = bool(url or os.environ.get("REDIS_URL"))
+    explicit = bool(url or configured_url())
     resolved = resolve_url(url, data_dir)
-    # Every wait is bounded (connect 5 s, commands $FRAMEWORK_COMMAND_TIMEOUT): see client_options.
-    command_timeout = command_timeout_from_env()
-    kwargs: dict[str, Any] = {"protocol": 2, **client_options(resolved, command_timeout)}
-    if max_connections:
-        kwargs["max_connections"] = max_connections
-    kwargs["parser_class"] = _permission_parser(namespace or default_namespace())
-    client = aredis.Redis.from_url(resolved, **kwargs)
-    try:
-        await client.ping()
-        try:
-            info = await client.info("cluster")
-        except NoPermissionError:  # INFO is not needed otherwise: an ACL user without it is standalone
-            info = {}
-    except PermissionDenied:
-        await client.aclose()
-        raise
-    except AuthenticationError as exc:
-        await client.aclose()
-        reason = str(exc).rstrip(".")
-        hint = (
-            "Check the user name and password in REDIS_URL."
-            if explicit
-            else "The embedded Valkey's password file does not match the running server: "
-            "restart it (`framework server stop`, then `framework server start`)."
-        )
-        raise BrokerUnavailable(f"the broker at {redact(resolved)} refused the credentials: {reason}. {hint}") from exc
-    except (RedisError, OSError) as exc:
-        await client.aclose()
-        hint = (
-            "Check the server is running and REDIS_URL is right (for a local one: "
-            "`redis-server --port 6379`), or unset REDIS_URL to use the embedded Valkey "
-            "(`framework server start`)."
-            if explicit
-            else "The embedded Valkey did not answer: see `framework server status` and its valkey.log."
-        )
-        reason = str(exc).rstrip(".")
-        raise BrokerUnavailable(f"cannot reach the broker at {redact(resolved)}: {reason}. {hint}") from exc
-    ns = namespace or default_namespace()
-    if info.get("cluster_enabled") in (1, "1"):
-        await client.aclose()
-        from broker.cluster_client import BrokerCluster
+    if scheme_of(resolved) in MEMORY_SCHEMES:
+        from broker.memory import connect_memory
 
-        cluster = BrokerCluster.from_url(
-            resolved, protocol=2, **client_options(resolved, command_timeout, cluster=True)
-        )
-        await cluster.initialize()
-        return RedisBroker(cluster, namespace=ns, url=resolved, cluster=True, command_timeout=command_timeout)
-    return RedisBroker(client, namespace=ns, url=resolved, command_timeout=command_timeout)
+        memory: Broker = connect_memory(resolved, namespace=namespace)
+        return memory
+    from broker.redis.connect import connect_redis
+
+    broker: Broker = await connect_redis(
+        resolved, explicit=explicit, namespace=namespace, max_connections=max_connections
+    )
+    return broker

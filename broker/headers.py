@@ -38,7 +38,7 @@ CORRELATION_ID = "correlation-id"  # id of the first message of a conversation
 CAUSATION_ID = "causation-id"  # id of the message whose handler sent this one
 CONTENT_TYPE = "content-type"  # of the body; "application/json" unless bytes were sent raw
 IDEMPOTENCY_KEY = "idempotency-key"  # producer-chosen key for publish dedup
-DELIVER_AT = "deliver-at"  # Unix ms: publish stores the message until then (broker/_redis/scheduling.py)
+DELIVER_AT = "deliver-at"  # Unix ms: publish stores the message until then (broker/redis/scheduling.py)
 
 # --- dead-letter entry fields (stored next to the original message's fields) --------------------
 DLQ_REASON = "dlq-reason"  # one line: why the message is here

@@ -1,12 +1,12 @@
-"""The Broker contract: what publishing, reading, acknowledging and retention promise.
+"""The Broker contract: what every transport's publishing, reading, acknowledging and retention promise.
 
-Any transport must keep these promises (``tests/test_broker_conformance.py`` checks them against
-the real server, for every broker factory it is given). :class:`Broker` is everything the
-framework calls on a broker, grouped by role like the Redis implementation (``broker/_redis/``):
-:class:`Destinations`, :class:`Publisher`, :class:`GroupReader`, :class:`Settler`,
-:class:`PartitionOwnership`, :class:`DeadLetterAdmin`, plus :class:`Connection` (identity, closing,
-and the one Redis-specific member the framework still reaches for: ``redis``, behind ``ctx.redis``). Redis-only tools
-(:mod:`broker.inspect`) take a :class:`~broker.RedisBroker` instead.
+Any transport must keep these promises (the conformance kit, :mod:`broker.conformance`, checks
+them through this contract alone, for any transport factory and its features). :class:`Broker`
+is what the framework may call on every transport, grouped by role: :class:`Destinations`,
+:class:`Publisher`, :class:`GroupReader`, :class:`Settler` and :class:`Connection`. What only some
+transports offer (an inbox store, partition ownership, scheduled messages, dead-letter
+administration, the Redis data store) is an optional capability in :mod:`broker.capabilities`,
+declared in ``capabilities`` and checked when a service is wired.
 
 * **Publish.** ``publish`` returns once every envelope is durable on the server (as durable as the
   server's persistence makes it). Envelopes with one key go to one partition and are stored in
@@ -39,22 +39,17 @@ and the one Redis-specific member the framework still reaches for: ``redis``, be
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, Protocol
 
 import attrs
 
 from broker.envelope import Envelope, Kind
-from broker.keys import GroupKeys, KeySpace
 from broker.topology import DestinationSpec
-
-if TYPE_CHECKING:
-    from broker._redis.scheduling import MoveResult, ScheduledMessage
 
 __all__ = [
     "Broker",
     "Connection",
-    "DeadLetterAdmin",
     "Delivery",
     "Destinations",
     "Extension",
@@ -62,7 +57,6 @@ __all__ = [
     "GroupReader",
     "GuardedWrite",
     "Publisher",
-    "Scheduler",
     "Settler",
     "Start",
 ]
@@ -72,21 +66,22 @@ Start = Literal["earliest", "latest"]
 
 @attrs.frozen
 class GroupPartition:
-    """One consumer group's view of one partition of a destination."""
+    """One consumer group's view of one partition of a destination.
+
+    ``stream`` names the partition's log (shared by every group of a topic); ``keys`` is the
+    transport's own addressing of this view (Redis: :class:`broker.redis.keys.GroupKeys`), which
+    only that transport reads.
+    """
 
     spec: DestinationSpec
     partition: int
     group: str
-    keys: GroupKeys
-
-    @property
-    def stream(self) -> str:
-        """The partition stream (shared by every group of a topic)."""
-        return self.keys.partition.stream
+    stream: str
+    keys: Any = attrs.field(eq=False, repr=False)
 
     def deletes_on_ack(self, stream: str) -> bool:
         """Whether acknowledged entries of ``stream`` are deleted (queues and redeliver streams)."""
-        return stream != self.keys.partition.stream or not self.spec.is_topic
+        return stream != self.stream or not self.spec.is_topic
 
 
 class GuardedWrite:
@@ -320,20 +315,6 @@ class GroupReader(Protocol):
         by ``lease_ms``; return their entry ids, with ``.taken``: those another consumer claimed."""
         ...
 
-    async def inbox_claim(
-        self,
-        source: GroupPartition,
-        deliveries: Sequence[Delivery],
-        lease_ms: int,
-        *,
-        channel: Any = None,
-        window_ms: int = 0,
-    ) -> list[int]:
-        """Per delivery: 0 leased to the caller (run it), 1 already processed (ack it), 2 leased
-        elsewhere (leave it pending). Redeliveries take stale leases over. ``window_ms``: the
-        group's dedup window, which the records made final later are kept for (0: as stored)."""
-        ...
-
 
 class Settler(Protocol):
     """Settling deliveries (each step atomic, and a no-op for entries no longer pending), and retention.
@@ -357,23 +338,6 @@ class Settler(Protocol):
         A delivery with a ``settle_write`` has it applied in the same atomic step, guarded (see
         :class:`GuardedWrite`; its ``outcome`` is set); one whose guard fails is not acknowledged.
         Returns how many were still pending (acknowledged now).
-        """
-        ...
-
-    async def commit_effects(
-        self,
-        delivery: Delivery,
-        commands: Sequence[Sequence[Any]],
-        keys: Sequence[str],
-        outgoing: Sequence[Envelope] = (),
-        *,
-        reason: Mapping[str, str] = {},
-        token: int | None = None,
-    ) -> bool:
-        """Apply a handler's writes and ``outgoing``, mark the inbox and ack, atomically.
-
-        False when the message was already processed (only acked) or is no longer pending. A write
-        that fails part-way dead-letters the message in the same step and raises ``EffectsFailed``.
         """
         ...
 
@@ -412,81 +376,6 @@ class Settler(Protocol):
         producer idempotency keys whose window ended. Returns the entries removed."""
         ...
 
-    async def trim_inbox(self, source: GroupPartition, older_than_ms: int) -> int:
-        """Forget processed ids recorded before ``older_than_ms`` and leases that expired."""
-        ...
-
-
-class PartitionOwnership(Protocol):
-    """Which instance of a group owns which partition: heartbeats, leases with fencing tokens, take-over.
-
-    A lease is held for ``ttl_ms`` from its acquisition or last renewal (by the server's clock);
-    every acquisition raises the partition's token, which never goes back.
-    """
-
-    async def heartbeat(
-        self, destination: str, group: str, instance: str, ttl_ms: int, *, leave: bool = False
-    ) -> list[str]:
-        """Beat ``instance``'s heartbeat in the group (or leave it); return the live instances, sorted."""
-        ...
-
-    async def acquire_lease(self, source: GroupPartition, instance: str, ttl_ms: int) -> int:
-        """Take the partition's lease if free or expired (or held under ``instance``'s own name): the new
-        token, or 0."""
-        ...
-
-    async def renew_leases(self, held: Sequence[tuple[GroupPartition, int]], instance: str, ttl_ms: int) -> list[bool]:
-        """Renew (partition, token) leases in one round trip; False for each taken over meanwhile."""
-        ...
-
-    async def release_lease(self, source: GroupPartition, instance: str, token: int) -> bool:
-        """Free the lease (another instance may acquire it at once); False when the token is not current."""
-        ...
-
-    async def take_over(
-        self, source: GroupPartition, consumer: str, count: int, cursors: dict[str, str], *, token: int | None = None
-    ) -> list[Delivery]:
-        """Claim up to ``count`` entries pending in the partition for anyone, oldest first (a new
-        owner's first step); ``cursors`` carries the scan from call to call; ``token``: fenced
-        like :meth:`GroupReader.read`."""
-        ...
-
-    def taken_over(self, cursors: dict[str, str]) -> bool:
-        """Whether the :meth:`take_over` scan with ``cursors`` has gone through every pending entry."""
-        ...
-
-
-class DeadLetterAdmin(Protocol):
-    """Operators' tools: dead letters, removing groups and destinations. Never on the hot path."""
-
-    async def dead_letter_entries(
-        self, view: GroupPartition, count: int | None = None
-    ) -> list[tuple[str, dict[bytes, bytes]]]:
-        """The group's dead letters on this partition, oldest first: (DLQ entry id, fields)."""
-        ...
-
-    async def redrive(self, view: GroupPartition, dlq_entry_id: str) -> str | None:
-        """Move one dead letter back to its group only, as a first attempt; None if it is gone."""
-        ...
-
-    async def purge_dead_letters(self, view: GroupPartition, dlq_entry_ids: Sequence[str]) -> int:
-        """Delete dead letters for good; return how many existed."""
-        ...
-
-    async def unsubscribe(self, spec: DestinationSpec, group: str) -> None:
-        """Remove ``group`` from every partition with its retry, dead-letter and inbox state.
-
-        No liveness check: callers (``framework unsubscribe``) refuse while consumers are alive.
-        """
-        ...
-
-    async def delete_destination(self, spec: DestinationSpec, *, force: bool = False) -> int:
-        """Delete the destination with all its keys and registrations; return how many keys went.
-
-        Refuses while a group is subscribed or entries are stored, unless ``force``.
-        """
-        ...
-
 
 class Connection(Protocol):
     """Which server and deployment a broker talks to, and closing it."""
@@ -498,77 +387,16 @@ class Connection(Protocol):
 
     url: str
     """The server's URL (may carry a password: pass it through ``broker.redact`` before logging)."""
-    cluster: bool
-    """True on a Redis Cluster: writes of one atomic step must share the delivery's hash tag, so
-    a handler's outgoing messages are published before its effects commit."""
+    transport: str
+    """The transport's name for messages (``redis``, ``memory``)."""
+    capabilities: frozenset[str]
+    """The optional capabilities it offers (names from :mod:`broker.capabilities`)."""
 
     async def close(self) -> None:
         """Release connections. Called last; the broker is not used afterwards."""
         ...
 
-    # -- Redis-specific: what the framework still reaches for beyond the contract ------------------
 
-    redis: Any
-    """The Redis client itself: ``ctx.redis`` hands it to handlers for their own reads. A second
-    transport would offer None here (``ctx.redis`` is then None) or a client of its own."""
-    keyspace: KeySpace
-    """The key layout (:mod:`broker.keys`): sagas keep their state and timeouts under the keys
-    of their queue's partitions, in the same atomic commit as the inbox mark and the ack."""
-
-    async def read_shared(self, *command: Any) -> Any:
-        """Run one Redis read ``command`` sent together with other tasks' reads (a saga step's
-        state read); its raw reply, an error reply raised."""
-        ...
-
-    async def read_hashes(
-        self, keys: Sequence[str], fields: Sequence[str], *, channel: Any = None
-    ) -> list[list[bytes | None] | None]:
-        """The same ``fields`` of each hash in ``keys`` in one call (a saga's states read ahead for
-        a fetched batch; on a Cluster the keys share a hash tag); raw values, None where absent,
-        None instead of the row for a key that is not a hash."""
-        ...
-
-
-class Scheduler(Protocol):
-    """Scheduled messages (stored by :meth:`Publisher.publish` when their ``deliver-at`` header lies
-    ahead) and recurring jobs' ticks. Moving, cancelling and firing are atomic: several processes
-    calling at once never deliver a message or fire a tick twice."""
-
-    async def move_scheduled(self, now_ms: int, *, limit: int = 1000, sweep: bool = False) -> MoveResult:
-        """Append due scheduled messages of the namespace to their partition streams."""
-        ...
-
-    async def cancel_scheduled(self, message_ids: Sequence[str], *, destination: str | None = None) -> int:
-        """Cancel scheduled messages by id; returns how many were still scheduled."""
-        ...
-
-    async def scheduled_messages(
-        self, *, destination: str | None = None, limit: int = 100, message_ids: Sequence[str] = ()
-    ) -> list[ScheduledMessage]:
-        """Scheduled messages, earliest due first (or those among ``message_ids``)."""
-        ...
-
-    async def count_scheduled(self, destination: str | None = None) -> int:
-        """How many messages wait for their due time."""
-        ...
-
-    async def fire_tick(self, queue: str, tick_ms: int, envelope: Envelope) -> int:
-        """Append a recurring job's tick to ``queue`` unless it (or a later tick) was fired:
-        1 fired, 0 fired before, -1 first tick seen (recorded, not fired)."""
-        ...
-
-
-class Broker(
-    Destinations,
-    Publisher,
-    GroupReader,
-    Settler,
-    PartitionOwnership,
-    DeadLetterAdmin,
-    Scheduler,
-    Connection,
-    Protocol,
-):
+class Broker(Destinations, Publisher, GroupReader, Settler, Connection, Protocol):
     """A message transport keeping the contract in this module's docstring: everything the
-    framework calls on a broker (``tests/test_broker_conformance.py`` checks that framework code
-    calls nothing else, and that :class:`~broker.RedisBroker` has all of it)."""
+    framework may call on any transport (optional capabilities: :mod:`broker.capabilities`)."""

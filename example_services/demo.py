@@ -23,8 +23,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from broker import connect, default_data_dir, redact, resolve_url
-from broker.inspect import describe
+from broker import connect, redact, resolve_url
+from broker.redis import default_data_dir
+from broker.redis.inspect import describe
 from framework import SyncClient
 from framework.dead_letters import DeadLetters
 from framework.testing import delete_namespace

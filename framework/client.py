@@ -218,7 +218,7 @@ class Client:
 
     async def scheduled(self, *, destination: str | None = None, limit: int = 100) -> list[Any]:
         """Messages waiting for their due time, earliest first
-        (:class:`~broker._redis.scheduling.ScheduledMessage`)."""
+        (:class:`~broker.redis.scheduling.ScheduledMessage`)."""
         broker = await self.connect()
         return list(await broker.scheduled_messages(destination=destination, limit=limit))
 

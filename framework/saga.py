@@ -72,7 +72,7 @@ from framework.service import HandlerError, Queue, Topic, _inspect
 
 if TYPE_CHECKING:
     from broker import Broker, Delivery
-    from broker.keys import KeySpace
+    from broker.redis.keys import KeySpace
     from framework.context import _Staged
     from framework.service import Service
 

@@ -28,7 +28,7 @@ from broker import COMMAND, Envelope, derive_id, now_ms
 from broker.headers import DELIVER_AT
 
 if TYPE_CHECKING:
-    from broker._redis.scheduling import ScheduledMessage
+    from broker.scheduling import ScheduledMessage
 
 __all__ = ["Job", "ScheduleError", "Tick", "cancel", "due_ms", "scheduled"]
 

@@ -28,9 +28,10 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from broker import EmbeddedServer, Envelope, RedisBroker, connect
-from broker.inspect import stored_messages
-from broker.sync_client import sync_client
+from broker import Envelope, connect
+from broker.redis import EmbeddedServer, RedisBroker
+from broker.redis.inspect import stored_messages
+from broker.redis.sync_client import sync_client
 from framework.client import Client
 from framework.middleware import Middleware
 from framework.runtime import Runtime

@@ -22,8 +22,8 @@ import redis
 from redis.exceptions import ResponseError
 
 from broker.errors import BrokerUnavailable, ConfigurationError
-from broker.keys import KeySpace
-from broker.sync_client import sync_client
+from broker.redis.keys import KeySpace
+from broker.redis.sync_client import sync_client
 from broker.topology import DestinationSpec
 from spark_bridge.options import Position
 

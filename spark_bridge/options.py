@@ -178,7 +178,7 @@ def parse_read_options(options: Mapping[str, str], defaults: Mapping[str, str] |
     for topic in topics:
         validate_name("topic", topic)
     from broker.connect import default_namespace
-    from broker.keys import KeySpace
+    from broker.redis.keys import KeySpace
 
     namespace = merged.get("namespace") or default_namespace()
     KeySpace(namespace)  # validates

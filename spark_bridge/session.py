@@ -18,7 +18,7 @@ import redis
 
 from broker.connect import default_namespace, redact, resolve_url
 from broker.errors import BrokerUnavailable
-from broker.keys import KeySpace
+from broker.redis.keys import KeySpace
 from spark_bridge.java import ensure_java
 from spark_bridge.source import source_with_defaults
 

@@ -2,8 +2,8 @@
 
 Each row becomes one event on its topic. Its id is derived (:func:`broker.ids.derive_id`) and it
 is published with that id as its idempotency key, through the broker's own publish path
-(:meth:`broker.RedisBroker.publish` with the sink's ``dedupWindowMs``; topics the sink has not
-seen are routed with :meth:`~broker.RedisBroker.route`, declared with option ``partitions`` when
+(:meth:`broker.redis.RedisBroker.publish` with the sink's ``dedupWindowMs``; topics the sink has not
+seen are routed with :meth:`~broker.redis.RedisBroker.route`, declared with option ``partitions`` when
 new):
 
 * with option ``idColumn`` (required for batch writes), from that column's value, namespaced by

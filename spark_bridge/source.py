@@ -26,7 +26,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from pyspark.sql.types import StructType
 
 from broker.errors import BrokerUnavailable, ConfigurationError
-from broker.keys import KeySpace
+from broker.redis.keys import KeySpace
 from spark_bridge.fetch import EventRange, read_range
 from spark_bridge.offsets import (
     Offsets,

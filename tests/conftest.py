@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from broker import RedisBroker, connect
+from broker import connect
+from broker.redis import RedisBroker
 from tests.workers import Workers
 
 ROOT = Path(__file__).resolve().parent.parent

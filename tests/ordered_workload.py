@@ -18,8 +18,8 @@ import signal
 import time
 from typing import Any
 
-from broker.keys import GroupKeys, KeySpace
-from broker.sync_client import sync_client
+from broker.redis.keys import GroupKeys, KeySpace
+from broker.redis.sync_client import sync_client
 from framework import Queue, SyncClient
 from tests.apps.ownerapp import applied_key, last_key
 from tests.conftest import run_cli

@@ -3,7 +3,7 @@
 Every test takes its broker from ``broker_factory``, parametrized over :data:`FACTORIES` (as
 Watermill's ``TestPubSub`` takes a constructor): a second transport is run through this module by
 adding one factory. Some checks read what is stored through the Redis implementation's own
-``broker.redis``, ``broker.keyspace`` and ``broker.stream_groups`` (the layout of ``broker/keys.py``);
+``broker.redis``, ``broker.keyspace`` and ``broker.stream_groups`` (the layout of ``broker/redis/keys.py``);
 a second transport would come with equivalent reads for those.
 """
 
@@ -20,9 +20,10 @@ import anyio
 import orjson
 import pytest
 
-from broker import Broker, ConfigurationError, DestinationSpec, EffectsFailed, Envelope, RedisBroker, connect, now_ms
+from broker import Broker, ConfigurationError, DestinationSpec, EffectsFailed, Envelope, connect, now_ms
 from broker.codec import encode_fields
-from broker.redis_broker import ROLES
+from broker.redis import RedisBroker
+from broker.redis.broker import ROLES
 
 pytestmark = pytest.mark.anyio
 
@@ -33,7 +34,7 @@ BrokerFactory = Callable[[], Awaitable[Broker]]
 
 
 def redis_streams(request: pytest.FixtureRequest) -> BrokerFactory:
-    """:class:`~broker.RedisBroker` on the session's server (embedded Valkey unless REDIS_URL is set)."""
+    """:class:`~broker.redis.RedisBroker` on the session's server (embedded Valkey unless REDIS_URL is set)."""
     url, namespace = request.getfixturevalue("redis_url"), request.getfixturevalue("namespace")
     return lambda: connect(url, namespace=namespace)
 
@@ -758,7 +759,7 @@ def test_framework_code_calls_nothing_on_a_broker_beyond_the_protocol() -> None:
 def test_the_redis_roles_define_each_name_once() -> None:
     """RedisBroker is made of role mixins: none may silently override another's method."""
     seen: dict[str, str] = {}
-    for role in {c for r in ROLES for c in r.__mro__ if c.__module__.startswith("broker._redis")}:
+    for role in {c for r in ROLES for c in r.__mro__ if c.__module__.startswith("broker.redis")}:
         for name in vars(role):
             if not name.startswith("__"):
                 assert name not in seen, f"{name!r} is defined by {seen[name]} and {role.__name__}"

@@ -24,11 +24,11 @@ import pytest
 import redis
 
 from broker import connect
-from broker.cluster_client import stream_read_keys
 from broker.codec import decode_fields
-from broker.embedded_cluster import RunningCluster, slot_ranges, start_cluster
-from broker.keys import KeySpace
-from broker.sync_client import sync_client
+from broker.redis.cluster_client import stream_read_keys
+from broker.redis.embedded_cluster import RunningCluster, slot_ranges, start_cluster
+from broker.redis.keys import KeySpace
+from broker.redis.sync_client import sync_client
 from framework.client import Client
 from framework.testing import delete_namespace, unique_namespace
 from tests.conftest import ROOT, run_cli

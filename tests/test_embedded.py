@@ -8,7 +8,7 @@ from pathlib import Path
 
 import redis
 
-from broker import EmbeddedServer
+from broker.redis import EmbeddedServer
 
 
 def _ensure_in_subprocess(data_dir: Path) -> str:

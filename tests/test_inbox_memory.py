@@ -12,11 +12,12 @@ import attrs
 import pytest
 import structlog
 
-from broker import DestinationSpec, Envelope, RedisBroker, connect, now_ms
+from broker import DestinationSpec, Envelope, connect, now_ms
 from broker.ids import derive_id, new_id
-from broker.inspect import INBOX_BYTES_PER_ID, describe, inbox_memory
-from broker.keys import INBOX_SLOT_MS, compact_id, inbox_record, inbox_records, inbox_slot
 from broker.protocol import GroupPartition
+from broker.redis import RedisBroker
+from broker.redis.inspect import INBOX_BYTES_PER_ID, describe, inbox_memory
+from broker.redis.keys import INBOX_SLOT_MS, compact_id, inbox_record, inbox_records, inbox_slot
 from framework import Service
 from framework.cli.status import over_budget
 from framework.settings import RuntimeSettings, inbox_memory_budget, parse_bytes
@@ -45,13 +46,13 @@ async def record(broker: RedisBroker, view: GroupPartition, ids: list[str]) -> N
     for i in range(0, len(ids), 1000):
         chunk = ids[i : i + 1000]
         args = [view.group, "0", now_ms(), 1, len(chunk), 0, "0-1", *chunk, inbox_records(chunk), 0]
-        await broker.scripts["ack"](broker.redis, [view.stream, view.keys.inbox, view.keys.attempts], args)
+        await broker.redis.scripts["ack"](broker.redis, [view.stream, view.keys.inbox, view.keys.attempts], args)
 
 
 async def claim(broker: RedisBroker, view: GroupPartition, ids: list[str], *, window_ms: int = 0) -> list[int]:
     """inbox_claim.lua on message ids alone (first deliveries)."""
     args = [now_ms(), 60_000, len(ids), window_ms, len(ids), *ids, inbox_records(ids)]
-    return [int(x) for x in await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args)]
+    return [int(x) for x in await broker.redis.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args)]
 
 
 async def bucket_keys(broker: RedisBroker, view: GroupPartition) -> list[bytes]:

@@ -14,7 +14,8 @@ import orjson
 import pytest
 import redis
 
-from broker import DestinationSpec, Envelope, RedisBroker
+from broker import DestinationSpec, Envelope
+from broker.redis import RedisBroker
 from framework import Context, RetryPolicy, Service, SyncClient
 from framework.testing import ServiceHarness
 from tests.workers import Workers, wait_for
@@ -89,7 +90,7 @@ async def test_scripts_take_batches_beyond_luas_unpack_limit(broker: RedisBroker
     assert await broker.redis.zcard(view.keys.inbox) == total
     await anyio.sleep(1.0)
     args = ["g", "a", 1, total, *(d.entry_id for d in held), *(d.message_id for d in held)]
-    reply = await broker.scripts["extend"](broker.redis, [view.stream, view.keys.inbox], args)  # one call, all
+    reply = await broker.redis.scripts["extend"](broker.redis, [view.stream, view.keys.inbox], args)  # one call, all
     assert set(reply) == {0}
     idle = await idle_times(broker, view.stream, "g")
     assert len(idle) == total and max(idle) < 700, max(idle)  # all touched, in one call

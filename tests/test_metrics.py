@@ -27,7 +27,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.inspect import group_state
+from broker.redis.inspect import group_state
 from framework import Client, Context, Queue, RetryPolicy, Runtime, Service, enable_metrics, outbox
 from framework.observability import disable_metrics, metrics
 from framework.observability.histograms import LocalHistogram

@@ -16,9 +16,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from broker import RedisBroker
 from broker.headers import TRACEPARENT
-from broker.inspect import stored_messages
+from broker.redis import RedisBroker
+from broker.redis.inspect import stored_messages
 from framework import Client
 from tests.otlp_receiver import CONSUMER, ERROR, PRODUCER, OTLPReceiver, Span
 from tests.workers import Workers

@@ -28,8 +28,9 @@ import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from broker import Envelope, RedisBroker, connect, derive_id
+from broker import Envelope, connect, derive_id
 from broker.codec import decode_fields
+from broker.redis import RedisBroker
 from framework import Queue, Topic, outbox
 from framework.outbox import OutboxRelay, outbox_table, sent_table
 from framework.sql import resolve_url

@@ -15,7 +15,8 @@ import anyio
 import orjson
 import pytest
 
-from broker import ConfigurationError, DestinationSpec, Envelope, LeaseLost, RedisBroker
+from broker import ConfigurationError, DestinationSpec, Envelope, LeaseLost
+from broker.redis import RedisBroker
 from framework.runtime.ownership import assign
 from tests.ordered_workload import run_ordered_workload
 from tests.workers import Workers

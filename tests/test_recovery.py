@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from broker import EmbeddedServer
+from broker.redis import EmbeddedServer
 from framework import Client, Context, Runtime, Service
 from framework.testing import TEST_SETTINGS
 

@@ -14,7 +14,7 @@ import attrs
 import pytest
 import redis
 
-from broker import RedisBroker
+from broker.redis import RedisBroker
 from framework import Client, Queue, RetryPolicy, Service, SyncClient
 from framework.testing import TEST_SETTINGS, ServiceHarness
 from tests.workers import Workers, wait_for

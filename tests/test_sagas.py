@@ -20,9 +20,10 @@ import orjson
 import pytest
 import redis
 
-from broker import DestinationSpec, Envelope, GuardedWrite, LeaseLost, RedisBroker, new_id
+from broker import DestinationSpec, Envelope, GuardedWrite, LeaseLost, new_id
 from broker.errors import EffectsConflict
-from broker.keys import KeySpace
+from broker.redis import RedisBroker
+from broker.redis.keys import KeySpace
 from framework import Client, HandlerError, Service, SyncClient
 from framework.effects import RedisEffects
 from framework.saga import SAGA_INPUT, SagaContext, SagaError, SagaRetryPolicy

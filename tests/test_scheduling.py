@@ -19,8 +19,9 @@ import anyio
 import pytest
 import redis
 
-from broker import EmbeddedServer, connect, derive_id, now_ms
+from broker import connect, derive_id, now_ms
 from broker.headers import DELIVER_AT
+from broker.redis import EmbeddedServer
 from framework import Client, Context, Queue, RetryPolicy, Runtime, Service, SyncClient, outbox
 from framework.scheduling import Job, ScheduleError, Tick, due_ms
 from framework.testing import TEST_SETTINGS
@@ -372,7 +373,7 @@ def test_a_recurring_job_fires_once_per_tick_across_three_instances_with_one_kil
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_scheduling_and_ticks_work_on_a_redis_cluster(tmp_path: Path) -> None:
-    from broker.embedded_cluster import start_cluster
+    from broker.redis.embedded_cluster import start_cluster
 
     running = start_cluster(tmp_path / "cluster", nodes=3)
     arrived: list[int] = []

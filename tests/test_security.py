@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 
-from broker import EmbeddedServer, default_data_dir
 from broker.connect import redact
+from broker.redis import EmbeddedServer, default_data_dir
 from tests.conftest import run_cli
 
 # The documented rules, read from docs/operations.md ("ACL rules"), with NS for the namespace: the

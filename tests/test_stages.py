@@ -10,8 +10,9 @@ import anyio
 import attrs
 import pytest
 
-from broker import Envelope, RedisBroker
-from broker.inspect import group_state
+from broker import Envelope
+from broker.redis import RedisBroker
+from broker.redis.inspect import group_state
 from framework import Queue, RetryPolicy, Service
 from framework._messages import Outgoing
 from framework.middleware import Outcome

@@ -3,7 +3,7 @@
 ``unsubscribe`` refuses while consumers of the group are alive and ``delete`` while a destination
 has groups or entries (``--force`` overrides); both say what goes (and what a re-created group
 would replay) and ask for confirmation (``--yes``; without a terminal they refuse rather than ask).
-The figures come from :func:`broker.inspect.group_usage` and :func:`broker.inspect.destination_usage`.
+The figures come from :func:`broker.redis.inspect.group_usage` and :func:`broker.redis.inspect.destination_usage`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from broker import connect
-from broker.inspect import ConsumerSeen, DestinationUsage, GroupUsage, destination_usage, group_usage
+from broker.redis.inspect import ConsumerSeen, DestinationUsage, GroupUsage, destination_usage, group_usage
 from framework.cli.args import duration
 from framework.cli.common import UsageError, connection_options
 

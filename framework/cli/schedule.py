@@ -1,6 +1,6 @@
 """``framework schedule list|show|cancel``: scheduled messages from the command line.
 
-Thin layers over the broker's scheduling role (:mod:`broker._redis.scheduling`): ``list`` shows
+Thin layers over the broker's scheduling role (:mod:`broker.redis.scheduling`): ``list`` shows
 messages waiting for their due time (earliest first), ``show`` one by its message id, ``cancel``
 drops them before they are delivered. Every action takes ``--json``.
 """

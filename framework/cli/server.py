@@ -1,7 +1,7 @@
 """``framework server start|stop|status``: the per-user embedded Valkey that the other commands default to.
 
 With ``--cluster N`` the same actions manage a local Redis Cluster of N embedded Valkey masters
-(:mod:`broker.embedded_cluster`); the other commands use it through ``REDIS_URL``, which
+(:mod:`broker.redis.embedded_cluster`); the other commands use it through ``REDIS_URL``, which
 ``start --cluster`` prints as a shell line reading the password file.
 
 Its output names the password file, never the password.
@@ -20,7 +20,7 @@ def manage_server(args: argparse.Namespace) -> int:
     """Start, stop or show the per-user embedded Valkey; exit status 3 when ``status`` finds it stopped."""
     if args.cluster is not None:
         return manage_cluster(args)
-    from broker.embedded import EmbeddedServer
+    from broker.redis.embedded import EmbeddedServer
 
     server = EmbeddedServer(args.data_dir)
     if args.action == "start":
@@ -48,7 +48,7 @@ def manage_server(args: argparse.Namespace) -> int:
 
 def manage_cluster(args: argparse.Namespace) -> int:
     """``--cluster``: start, stop or show the local cluster; exit status 3 when ``status`` finds it stopped."""
-    from broker.embedded_cluster import LocalCluster
+    from broker.redis.embedded_cluster import LocalCluster
 
     cluster = LocalCluster(args.data_dir)
     password_file = cluster.data_dir / "password"

@@ -3,7 +3,7 @@
 ``scheduled`` counts a destination's messages sent with a delay or a due time and not yet due
 (``framework schedule list`` shows them).
 
-A table on a terminal, ``--json`` for scripts; the figures come from :func:`broker.inspect.describe`.
+A table on a terminal, ``--json`` for scripts; the figures come from :func:`broker.redis.inspect.describe`.
 The ``inbox`` column is the server memory a group's Redis inbox needs over its whole dedup window
 at its recent rate (bytes per id x ids per second x window); a footer line names every group past
 the budget (``--inbox-budget``, default ``$FRAMEWORK_INBOX_MEMORY_BUDGET``, else 256 MiB).
@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 
 from broker import connect
-from broker.inspect import DestinationState, describe
+from broker.redis.inspect import DestinationState, describe
 from framework.cli.common import UsageError, connection_options, print_json
 from framework.settings import inbox_memory_budget, parse_bytes
 

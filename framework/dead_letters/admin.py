@@ -15,9 +15,10 @@ import anyio
 import attrs
 import orjson
 
-from broker import GroupPartition, RedisBroker
+from broker import GroupPartition
 from broker import headers as h
-from broker.inspect import dead_letter_count
+from broker.redis import RedisBroker
+from broker.redis.inspect import dead_letter_count
 
 __all__ = ["DeadLetter", "DeadLetters"]
 

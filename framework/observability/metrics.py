@@ -355,7 +355,7 @@ def count_sent(envelopes: Sequence[Envelope]) -> None:
 async def refresh_runtime(runtime: Any) -> None:
     """Read lag, pending and dead letters of every group and partition ``runtime`` consumes (one
     pass, a few round trips per partition)."""
-    from broker.inspect import group_state
+    from broker.redis.inspect import group_state
 
     for t in _tracked.get(id(runtime), []):
         dead = 0

@@ -39,7 +39,8 @@ import anyio.lowlevel
 import orjson
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from broker import ConfigurationError, DestinationSpec, Envelope, RedisBroker, validate_name
+from broker import ConfigurationError, DestinationSpec, Envelope, validate_name
+from broker.redis import RedisBroker
 from framework.logs import get_logger
 from framework.observability import hooks
 from framework.outbox import _statements as statements

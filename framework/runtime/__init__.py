@@ -26,8 +26,9 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from broker import DestinationSpec, RedisBroker, connect, redact
-from broker.inspect import group_state
+from broker import DestinationSpec, connect, redact
+from broker.redis import RedisBroker
+from broker.redis.inspect import group_state
 from framework._messages import Outgoing
 from framework.group_commit import GroupCommits
 from framework.logs import get_logger

@@ -11,7 +11,7 @@ instead: every entry pending in the partition for any consumer (what earlier own
 paused, or handed back) is claimed at once, oldest first, and admitted before anything new is
 read, so a key's messages run in the order they were published across owners. Its reads and
 claims carry the lease's fencing token, checked on the server atomically with taking the entries
-(the broker's fenced read; ``broker/lua/owned_intake.lua``): a command that reaches the server
+(the broker's fenced read; ``broker/redis/lua/owned_intake.lua``): a command that reaches the server
 after the lease moved (sent by a process resumed after a pause, past its local lease check)
 takes nothing, so no entry is left pending with a former owner while the new one runs later
 entries of its keys.

@@ -18,7 +18,7 @@ consumer (a group on a destination) keeps, every ``heartbeat_interval`` (a third
   entry pending in the partition, oldest first, then reads new ones.
 
 Every settle call of a tenure carries its fencing token; once another instance acquired the
-partition, the scripts refuse (see ``broker/_redis/settlement.py``). A tenure that lost its
+partition, the scripts refuse (see ``broker/redis/settlement.py``). A tenure that lost its
 lease never starts another message (:meth:`~framework.runtime.ledger.Lease.usable`), so a
 process resumed after a pause cannot run or settle what the new owner took over.
 

@@ -2,7 +2,7 @@
 
 Every runtime runs one :class:`Scheduler` in its root task group. Its mover moves the due
 scheduled messages of the whole namespace, whatever their destination (the broker keeps one index
-of the partitions holding scheduled messages, see :mod:`broker._redis.scheduling`): any live
+of the partitions holding scheduled messages, see :mod:`broker.redis.scheduling`): any live
 worker of the namespace delivers any scheduled message, and several workers moving at once never
 deliver one twice (the move is one Lua script). A pass runs every ``interval`` seconds, sooner
 when the index says something falls due earlier, and again at once while a pass hit its limit;
@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import anyio
 
-from broker import RedisBroker, now_ms
+from broker import now_ms
+from broker.redis import RedisBroker
 from framework.logs import get_logger
 from framework.scheduling import Job
 from framework.service import Service

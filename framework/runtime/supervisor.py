@@ -21,7 +21,7 @@ import anyio
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.wire import is_closed_transport
+from broker.redis.wire import is_closed_transport
 from framework.logs import get_logger
 from framework.runtime import connectivity
 

@@ -24,7 +24,7 @@ import anyio
 import attrs
 
 from broker import LeaseLost, now_ms
-from broker.inspect import InboxMemory, inbox_memory
+from broker.redis.inspect import InboxMemory, inbox_memory
 from framework.runtime.admit import Admission
 from framework.runtime.connectivity import healthy
 from framework.runtime.ledger import Ledger

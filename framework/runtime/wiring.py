@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import attrs
 
-from broker import RedisBroker
+from broker.redis import RedisBroker
 from framework._messages import Outgoing
 from framework.logs import get_logger
 from framework.middleware import Middleware

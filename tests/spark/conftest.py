@@ -11,7 +11,7 @@ import redis
 
 from broker.codec import encode_fields
 from broker.envelope import Envelope
-from broker.keys import KeySpace
+from broker.redis.keys import KeySpace
 from broker.topology import DestinationSpec
 
 try:

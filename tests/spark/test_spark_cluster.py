@@ -15,9 +15,9 @@ import anyio
 import pytest
 import redis
 
-from broker.embedded_cluster import RunningCluster, start_cluster
-from broker.keys import KeySpace
-from broker.sync_client import sync_client
+from broker.redis.embedded_cluster import RunningCluster, start_cluster
+from broker.redis.keys import KeySpace
+from broker.redis.sync_client import sync_client
 from framework import Client, Topic
 from framework.testing import delete_namespace, unique_namespace
 from spark_bridge.export import ExportJob, start_export

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 
-from broker.keys import KeySpace
+from broker.redis.keys import KeySpace
 from spark_bridge.export import ExportJob, run_export, start_export
 
 pytestmark = pytest.mark.spark

@@ -14,7 +14,7 @@ from broker.codec import decode_fields
 from broker.errors import ConfigurationError
 from broker.headers import IDEMPOTENCY_KEY
 from broker.ids import derive_id
-from broker.keys import KeySpace
+from broker.redis.keys import KeySpace
 from broker.topology import DestinationSpec
 from spark_bridge import read_events
 from spark_bridge.sink import parse_sink_options

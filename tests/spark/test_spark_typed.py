@@ -23,7 +23,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from broker.keys import KeySpace
+from broker.redis.keys import KeySpace
 from broker.topology import DestinationSpec
 from spark_bridge import EVENT_SCHEMA, parse_payload, payload_schema, read_events
 

@@ -4,7 +4,7 @@ Every step that settles a delivery is one script call that does nothing when the
 longer pending (another consumer settled it), so settling twice is harmless.
 
 Fencing: each settle call takes the caller's ``token`` for the partition's lease (partition
-ownership, :mod:`broker._redis.leases`); the script compares it with the lease's current token
+ownership, :mod:`broker.redis.leases`); the script compares it with the lease's current token
 (one HGET) and, when another instance acquired the partition since, changes nothing and the
 call raises :class:`~broker.errors.LeaseLost`. ``token=None`` (the partition is not owned) skips
 the check.
@@ -19,10 +19,6 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from broker._redis.core import ScriptCall, text
-from broker._redis.publishing import partition_of
-from broker._redis.reading import SCRIPT_CHUNK, lease_lost
-from broker._redis.topology import Topology
 from broker.codec import encode_fields
 from broker.envelope import Envelope, now_ms
 from broker.errors import EffectsConflict, EffectsFailed, LeaseLost
@@ -39,10 +35,14 @@ from broker.headers import (
     FIRST_FAILED_AT,
     IDEMPOTENCY_KEY,
 )
-from broker.keys import inbox_record, inbox_records
 from broker.protocol import Delivery, GroupPartition, GuardedWrite
+from broker.redis.core import ScriptCall, text
+from broker.redis.keys import inbox_record, inbox_records
+from broker.redis.publishing import partition_of
+from broker.redis.reading import SCRIPT_CHUNK, lease_lost
+from broker.redis.topology import Topology
+from broker.redis.wire import Channel
 from broker.topology import DestinationSpec
-from broker.wire import Channel
 
 __all__ = ["Settlement"]
 

@@ -1,5 +1,5 @@
 -- inbox_store.lua: the inbox's processed-id buckets, included (not run alone) by inbox_claim.lua,
--- ack.lua and commit_effects.lua (see broker/keys.py for the layout and broker/scripts.py for
+-- ack.lua and commit_effects.lua (see broker/redis/keys.py for the layout and broker/redis/scripts.py for
 -- the include).
 --
 -- A processed UUIDv7/v8 message id is one field of a small hash holding the ids of one short span
@@ -35,7 +35,7 @@ local inbox_metas = {}    -- slot number -> {key, r = {{t, s}, ...}, n, h, dirty
 local inbox_pt, inbox_pf = {}, {}  -- ids to record (inbox_record_all): their times, their 13-byte fields
 
 -- The scripts take the ids' 16-byte forms from the caller as one string of 16-byte records
--- (broker.keys.inbox_records: 16 zero bytes for ids that are not UUIDv7/v8, kept in the zset):
+-- (broker.redis.keys.inbox_records: 16 zero bytes for ids that are not UUIDv7/v8, kept in the zset):
 -- deriving them in Lua, or taking one argument per id, costs microseconds of server time per id.
 -- The loops below do per id only what cannot be done per bucket: its time, two comparisons with
 -- the span of the bucket the ids before it fell in (ids are time-ordered: runs share a bucket),

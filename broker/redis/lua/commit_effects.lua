@@ -18,7 +18,7 @@
 -- ARGV[5]  k: number of messages
 -- ARGV[6]  q: dead-letter reason field/value pairs every message of the call shares (the handler,
 --          destination, partition, group), then the 2q values; then for each message:
---   entry id, message id, its 16-byte inbox record (broker.keys.inbox_records: 16 zero bytes for
+--   entry id, message id, its 16-byte inbox record (broker.redis.keys.inbox_records: 16 zero bytes for
 --   ids that are not UUIDv7/v8; computed by the caller, as Lua spends microseconds per id on it), n (the handler's
 --   Redis commands), m (outgoing messages: XADD commands run after the handler's), r (its own
 --   field/value pairs of the dead-letter reason), the 2r reason values, then n + m commands,
@@ -80,7 +80,7 @@ local seen = inbox_seen_many(KEYS[2], table.concat(bins), k)
 -- in one ZMSCORE; the settling writes of all messages go at the end, one variadic call each (the
 -- call is atomic: nothing else runs in between, and a message's own checks only read what no
 -- message of this call writes, except its inbox record, which settled_ids stands for).
--- (k is at most broker._redis.batching.MAX_BATCH, 64: every variadic call below passes its ids at once.)
+-- (k is at most broker.redis.batching.MAX_BATCH, 64: every variadic call below passes its ids at once.)
 local scores
 do
   local ids = {}

@@ -1,7 +1,7 @@
 """The broker's reading role: group reads, own pending entries, claims, leases and the inbox check.
 
 Everything here hands out :class:`~broker.protocol.Delivery` objects or keeps the ones handed out
-owned (``extend``); settling them is :mod:`broker._redis.settlement`'s job.
+owned (``extend``); settling them is :mod:`broker.redis.settlement`'s job.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
-from broker._redis.core import RedisCore, text
 from broker.codec import decode_flat
 from broker.envelope import Envelope, now_ms
 from broker.errors import DecodeError, LeaseLost
-from broker.keys import inbox_records
 from broker.protocol import Delivery, Extension, GroupPartition
-from broker.wire import Channel
+from broker.redis.core import RedisCore, text
+from broker.redis.keys import inbox_records
+from broker.redis.wire import Channel
 
 __all__ = ["SCRIPT_CHUNK", "Reading", "lease_lost"]
 

@@ -1,7 +1,7 @@
 """The broker's scheduling role: messages stored until a due time, then moved to their streams.
 
 A message whose ``deliver-at`` header (:data:`broker.headers.DELIVER_AT`, Unix ms) lies in the
-future is not appended by :meth:`~broker._redis.publishing.Publishing.publish`: it is stored in its
+future is not appended by :meth:`~broker.redis.publishing.Publishing.publish`: it is stored in its
 partition's scheduled zset (member = message id, score = due ms) and envelopes hash, both under the
 partition's hash tag and written by one script (``schedule_add.lua``). A mover
 (:meth:`Scheduling.move_scheduled`, run by every runtime of the namespace) appends due messages to
@@ -18,7 +18,7 @@ also sweeps every indexed partition once a second (:meth:`move_scheduled` with `
 such a message is at most about a second late. Index members are never removed (one per
 destination partition ever scheduled to, a small set).
 
-The key layout is in :mod:`broker.keys`; each script documents its keys.
+The key layout is in :mod:`broker.redis.keys`; each script documents its keys.
 """
 
 from __future__ import annotations
@@ -26,49 +26,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
-
-from broker._redis.core import ScriptCall, text
-from broker._redis.topology import Topology
 from broker.codec import decode_flat, encode_fields
 from broker.envelope import Envelope
-from broker.headers import DELIVER_AT, IDEMPOTENCY_KEY
-from broker.keys import PartitionKeys
+from broker.headers import IDEMPOTENCY_KEY
+from broker.redis.core import ScriptCall, text
+from broker.redis.keys import PartitionKeys
+from broker.redis.topology import Topology
+from broker.scheduling import MoveResult, ScheduledMessage, due_of
 
 __all__ = ["MoveResult", "ScheduledMessage", "Scheduling", "due_of"]
 
 _INF = float("inf")
-
-
-def due_of(env: Envelope) -> int | None:
-    """The envelope's due time (Unix ms) from its ``deliver-at`` header, or None when it has none."""
-    value = env.headers.get(DELIVER_AT) if env.headers else None
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"header {DELIVER_AT!r} must be Unix milliseconds, got {value!r}") from None
-
-
-@attrs.frozen
-class ScheduledMessage:
-    """A message waiting for its due time."""
-
-    message_id: str
-    destination: str
-    partition: int
-    due_ms: int
-    envelope: Envelope | None  # None when its entry could not be decoded (shown as such, never hidden)
-
-
-@attrs.frozen
-class MoveResult:
-    """What one pass of :meth:`Scheduling.move_scheduled` did."""
-
-    moved: int
-    next_due_ms: int | None  # earliest due time the index knows of after the pass (a hint), None: nothing
-    more: bool  # some partition hit the per-call limit: call again at once
 
 
 def _member(destination: str, partition: int) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import orjson
 from redis.exceptions import ResponseError
 
-from broker._redis.core import RedisCore, text
 from broker.envelope import Kind
 from broker.errors import ConfigurationError
 from broker.protocol import GroupPartition, Start
+from broker.redis.core import RedisCore, text
 from broker.topology import DestinationSpec, validate_name
 
 __all__ = ["Topology"]
@@ -99,12 +99,8 @@ class Topology(RedisCore):
 
     def group_partition(self, spec: DestinationSpec, partition: int, group: str) -> GroupPartition:
         """The view of ``group`` on one partition (no server call)."""
-        return GroupPartition(
-            spec=spec,
-            partition=partition,
-            group=group,
-            keys=self.keyspace.partition(spec.name, partition).group(group),
-        )
+        keys = self.keyspace.partition(spec.name, partition).group(group)
+        return GroupPartition(spec=spec, partition=partition, group=group, stream=keys.partition.stream, keys=keys)
 
     async def subscribe(self, spec: DestinationSpec, group: str, start: Start = "earliest") -> list[GroupPartition]:
         """Create ``group`` on every partition stream and its redeliver stream (idempotent)."""

@@ -4,7 +4,7 @@ A handler that commits its Redis effects (``ctx.redis_transaction()``, a saga st
 commit per message. Sent one by one through the client, each pays redis-py's command machinery, a
 round trip and a script run of its own (with the inbox's bookkeeping); with 64 lanes that is most
 of a worker's CPU and of the server's. The :class:`CommitBatcher` queues the commits and sends
-whatever is queued as one write on a :class:`~broker.wire.Channel`, with at most ``width`` writes
+whatever is queued as one write on a :class:`~broker.redis.wire.Channel`, with at most ``width`` writes
 in flight at a time, so a lone commit goes out at once and commits made while others are in flight
 share the next write. Commits of one source (stream, group, fencing token) in a write are one call
 of ``commit_effects.lua``, which commits each message as if it were alone and returns each one's
@@ -34,8 +34,8 @@ from redis.exceptions import NoScriptError
 from broker.envelope import now_ms
 
 if TYPE_CHECKING:
-    from broker.scripts import Script
-    from broker.wire import Channel
+    from broker.redis.scripts import Script
+    from broker.redis.wire import Channel
 
 __all__ = ["MAX_BATCH", "Batcher", "CommitBatcher", "ReadBatcher"]
 

@@ -13,7 +13,7 @@
 --          0 leaves it as it is)
 -- ARGV[5]  c, the number of ids
 -- ARGV[6 .. 5+c]      message ids (text), first deliveries first
--- ARGV[6+c]           the same ids' 16-byte records, in one string (broker.keys.inbox_records)
+-- ARGV[6+c]           the same ids' 16-byte records, in one string (broker.redis.keys.inbox_records)
 -- Returns one status per id, in order: 0 = leased to the caller (run it), 1 = already processed
 -- (a duplicate: ack it without running), 2 = being processed elsewhere under a live lease.
 -- One ZMSCORE and one variadic ZADD per 1000 ids (not one call per id) keep the cost per message low;

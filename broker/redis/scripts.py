@@ -1,4 +1,4 @@
-"""The Lua scripts in ``broker/lua/``, loaded once per connection and called by SHA.
+"""The Lua scripts in ``broker/redis/lua/``, loaded once per connection and called by SHA.
 
 Each script's header documents the keys it touches. A script missing on the server (after a
 restart or SCRIPT FLUSH) is loaded again and the call repeated; the scripts are written so that
@@ -60,7 +60,7 @@ class Script:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
 
     async def on(self, channel: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Run the script on a :class:`broker.wire.Channel`."""
+        """Run the script on a :class:`broker.redis.wire.Channel`."""
         try:
             return await channel.execute("EVALSHA", self.sha, len(keys), *keys, *args)
         except NoScriptError:
@@ -75,7 +75,7 @@ class Script:
 
 
 _INCLUDE = "--#include "
-"""A line ``--#include NAME`` in a script is replaced by ``broker/lua/NAME.lua`` (shared Lua code:
+"""A line ``--#include NAME`` in a script is replaced by ``broker/redis/lua/NAME.lua`` (shared Lua code:
 the inbox's buckets, ``inbox_store.lua``); the SHA is that of the expanded source."""
 
 
@@ -89,6 +89,6 @@ def _expand(base: Any, source: str) -> str:
 
 
 def load_scripts() -> dict[str, Script]:
-    """Read every script shipped in ``broker/lua``."""
-    base = resources.files("broker") / "lua"
+    """Read every script shipped in ``broker/redis/lua``."""
+    base = resources.files("broker.redis") / "lua"
     return {name: Script(name, _expand(base, (base / f"{name}.lua").read_text())) for name in _NAMES}

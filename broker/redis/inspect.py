@@ -14,9 +14,9 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from broker.codec import decode_fields
 from broker.envelope import Envelope, now_ms
-from broker.keys import INBOX_SLOT_MS, inbox_slot
 from broker.protocol import GroupPartition
-from broker.redis_broker import RedisBroker
+from broker.redis.broker import RedisBroker
+from broker.redis.keys import INBOX_SLOT_MS, inbox_slot
 from broker.topology import DestinationSpec
 
 __all__ = [

@@ -32,7 +32,7 @@ MULTI that touch a stream and its group keys stay on one Cluster node::
                                                        ms the lease ends / was acquired
     <ns>:members:<dest>:<group>                zset    live instances of the group on the destination (members.lua):
                                                        member = instance, score = server ms its heartbeat ends
-    <ns>:{<dest>:<p>}:scheduled                zset    scheduled messages (broker/_redis/scheduling.py): member =
+    <ns>:{<dest>:<p>}:scheduled                zset    scheduled messages (broker/redis/scheduling.py): member =
                                                        message id, score = due ms
     <ns>:{<dest>:<p>}:scheduled:envelopes      hash    message id -> cmsgpack of the entry's field/value list
     <ns>:{<dest>:<p>}:job                      hash    a recurring job's queue (partition 0): last = latest tick
@@ -45,7 +45,7 @@ MULTI that touch a stream and its group keys stay on one Cluster node::
 
 ``<ns>`` (default ``fw``) separates deployments and test runs sharing one server.
 
-The inbox's buckets (``broker/lua/inbox_store.lua`` has the details): ``<slot>`` is the id's own
+The inbox's buckets (``broker/redis/lua/inbox_store.lua`` has the details): ``<slot>`` is the id's own
 time >> 20 ms (17.5-minute slots, the id's first 7 hex digits); a bucket holds the ids of 2^S ms of
 id time, S chosen per slot from the rate so a bucket holds about 64 ids. Ids are time-ordered, so a
 batch's ids fall in a handful of buckets: one HMGET per bucket checks a batch, one HSET per bucket
@@ -82,7 +82,7 @@ INBOX_SLOT_MS = 1 << 20
 
 def compact_id(message_id: str) -> bytes:
     """The 16 bytes of a UUIDv7/v8 text id (kept in the inbox's buckets); ``b""`` for any other id
-    (kept in the inbox zset). The inbox scripts take it from the caller (``broker/lua/inbox_store.lua``)."""
+    (kept in the inbox zset). The inbox scripts take it from the caller (``broker/redis/lua/inbox_store.lua``)."""
     if len(message_id) != 36 or message_id[14] not in "78":
         return b""
     try:

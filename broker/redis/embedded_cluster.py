@@ -9,7 +9,7 @@ node's URL; it is no production set-up (no replicas, so a node that dies takes i
 until it is started again; every node on 127.0.0.1).
 
 Like the single embedded server it is shared per user (default directory ``valkey-cluster`` under
-:func:`broker.embedded.framework_home`), protected by a generated password (the same for every
+:func:`broker.redis.embedded.framework_home`), protected by a generated password (the same for every
 node), private (0700 / 0600) and started again on its data: nodes keep their ports and their
 ``nodes.conf``, so a stopped cluster comes back whole. Files::
 
@@ -36,8 +36,8 @@ from typing import Any
 
 import attrs
 
-from broker.embedded import _alive, _binary, _make_private, _ping, _write_private, framework_home, local_url
 from broker.errors import BrokerUnavailable, ConfigurationError
+from broker.redis.embedded import _alive, _binary, _make_private, _ping, _write_private, framework_home, local_url
 
 __all__ = [
     "SLOTS",
@@ -55,7 +55,7 @@ SLOTS = 16384
 
 
 def default_cluster_dir() -> Path:
-    """The local cluster's directory: ``valkey-cluster`` under :func:`broker.embedded.framework_home`."""
+    """The local cluster's directory: ``valkey-cluster`` under :func:`broker.redis.embedded.framework_home`."""
     return framework_home() / "valkey-cluster"
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from broker._redis.core import ScriptCall, text
-from broker._redis.scheduling import Scheduling, due_of
 from broker.codec import check_body_size, encode_fields
 from broker.envelope import Envelope, now_ms
 from broker.headers import IDEMPOTENCY_KEY
+from broker.redis.core import ScriptCall, text
+from broker.redis.scheduling import Scheduling, due_of
 from broker.topology import DestinationSpec
 
 __all__ = ["DEFAULT_DEDUP_WINDOW_MS", "Publishing", "partition_of"]
@@ -46,7 +46,7 @@ class Publishing(Scheduling):
         A body over :attr:`max_body_bytes` raises :class:`~broker.errors.MessageTooLarge` and
         nothing of the call is stored. An envelope whose ``deliver-at`` header
         (:data:`~broker.headers.DELIVER_AT`, Unix ms) lies in the future is stored until then
-        (:mod:`broker._redis.scheduling`; its reply is its message id); a past one is appended now.
+        (:mod:`broker.redis.scheduling`; its reply is its message id); a past one is appended now.
         """
         if not envelopes:
             return []

@@ -12,12 +12,12 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from broker._redis.core import text
-from broker._redis.topology import Topology
 from broker.envelope import now_ms
 from broker.errors import ConfigurationError
-from broker.keys import INBOX_SLOT_MS, inbox_slot
 from broker.protocol import GroupPartition
+from broker.redis.core import text
+from broker.redis.keys import INBOX_SLOT_MS, inbox_slot
+from broker.redis.topology import Topology
 from broker.topology import DestinationSpec
 
 __all__ = ["Administration"]

@@ -15,7 +15,7 @@
 -- ARGV[5]  m, message ids to record in the inbox that follow the entry ids (0 when the inbox is off)
 -- ARGV[6]  k, message ids whose attempt counters to drop, after those
 -- ARGV[7 ..]  the n entry ids, the m inbox ids (text), one string of their m 16-byte records
---             (broker.keys.inbox_records; '' when m is 0), the k counter ids, then w: guarded writes
+--             (broker.redis.keys.inbox_records; '' when m is 0), the k counter ids, then w: guarded writes
 --             (broker.protocol.GuardedWrite) that follow. With w > 0: a string of three 16-bit
 --             big-endian numbers per write (the index of its entry 1..n, of its inbox id 1..m or 0
 --             for none, of its shape 1..s), s, then s shapes (p, the guard field, the p field names

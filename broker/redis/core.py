@@ -8,12 +8,12 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
-from broker._redis.batching import CommitBatcher, ReadBatcher
 from broker.codec import max_body_bytes as max_body_bytes_setting
-from broker.keys import KeySpace, PartitionKeys
-from broker.scripts import Script, load_scripts
+from broker.redis.batching import CommitBatcher, ReadBatcher
+from broker.redis.keys import KeySpace, PartitionKeys
+from broker.redis.scripts import Script, load_scripts
+from broker.redis.wire import DEFAULT_COMMAND_TIMEOUT, Channel
 from broker.topology import DestinationSpec
-from broker.wire import DEFAULT_COMMAND_TIMEOUT, Channel
 
 __all__ = ["ScriptCall", "RedisCore", "text"]
 
@@ -38,7 +38,7 @@ class RedisCore:
 
     The roles only touch the attributes set in :meth:`__init__` and the methods here, plus the
     methods of the roles they inherit from (publishing, settlement and administration build on
-    :class:`~broker._redis.topology.Topology`), so a role can be read on its own.
+    :class:`~broker.redis.topology.Topology`), so a role can be read on its own.
     """
 
     def __init__(

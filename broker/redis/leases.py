@@ -4,7 +4,7 @@ Partition ownership (``framework.runtime.ownership`` drives it): the live instan
 destination beat a heartbeat into a members zset (``members.lua``), and each partition of the group
 has a lease hash (``lease.lua``) holding its owner, the time the lease ends, and a fencing token
 raised by every acquisition. The settle scripts compare a caller's token with the lease's
-(:mod:`broker._redis.settlement`), so an instance whose lease was taken over cannot settle
+(:mod:`broker.redis.settlement`), so an instance whose lease was taken over cannot settle
 anything. Times are the server's (``TIME`` in the scripts), never a host's clock.
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from broker._redis.core import ScriptCall, text
-from broker._redis.reading import Reading
 from broker.protocol import Delivery, GroupPartition
+from broker.redis.core import ScriptCall, text
+from broker.redis.reading import Reading
 
 __all__ = ["LeaseState", "Leases"]
 

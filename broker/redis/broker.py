@@ -1,6 +1,6 @@
 """The Redis Streams transport: the Broker contract on Redis >= 6.2 or Valkey (single node or Cluster).
 
-:class:`RedisBroker` is one facade over six roles, each a module of ``broker/_redis/`` named for
+:class:`RedisBroker` is one facade over six roles, each a module of ``broker/redis/`` named for
 its job (topology, publishing, reading, settlement, administration, leases). Why mixins rather than a
 facade forwarding to five role objects:
 
@@ -8,18 +8,19 @@ facade forwarding to five role objects:
   with no forwarding layer on the hot path (read, inbox check, ack run per batch) and no second
   copy of each signature to keep in step;
 * the roles share one state (client, registry cache, partition key cache, scripts), declared once
-  in :class:`~broker._redis.core.RedisCore`; a role reads only that state and the roles it
+  in :class:`~broker.redis.core.RedisCore`; a role reads only that state and the roles it
   inherits from (publishing, settlement and administration need topology's :meth:`route`), and
   no two roles define the same name (``tests/test_broker_conformance.py`` checks it).
 """
 
 from __future__ import annotations
 
-from broker._redis.administration import Administration
-from broker._redis.leases import Leases
-from broker._redis.publishing import Publishing
-from broker._redis.reading import Reading
-from broker._redis.settlement import Settlement
+from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, OWNERSHIP, REDIS, SCHEDULING
+from broker.redis.administration import Administration
+from broker.redis.leases import Leases
+from broker.redis.publishing import Publishing
+from broker.redis.reading import Reading
+from broker.redis.settlement import Settlement
 
 __all__ = ["ROLES", "RedisBroker"]
 
@@ -34,5 +35,9 @@ class RedisBroker(Publishing, Leases, Reading, Settlement, Administration):
     One instance is safe to share between tasks of one event loop (not between threads or event
     loops: its client's connections belong to the loop that opened them). Blocking reads take a
     connection each from the pool for as long as they wait. Keeps the :class:`~broker.Broker`
-    contract; the key layout is in :mod:`broker.keys`.
+    contract and every capability of :mod:`broker.capabilities`; the key layout is in
+    :mod:`broker.redis.keys`.
     """
+
+    transport = "redis"
+    capabilities = frozenset({INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, REDIS})

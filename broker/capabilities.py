@@ -1,0 +1,272 @@
+"""Optional capabilities: what only some transports offer, declared by each and checked at wiring.
+
+A transport lists the names it offers in ``capabilities`` (a frozenset of the constants below);
+the runtime checks them when it wires a service (:func:`missing`), so a service that needs one
+its transport lacks fails at start naming the handler and the capability, instead of failing on
+its first message. Each capability is a protocol of the methods it adds to :class:`~broker.Broker`;
+:func:`supports` narrows a broker to it.
+
+| name | protocol | Redis | memory |
+|---|---|---|---|
+| ``inbox`` | :class:`InboxStore` | yes | yes |
+| ``ownership`` | :class:`PartitionOwnership` | yes (fencing in every settle script) | yes (one process) |
+| ``scheduling`` | :class:`Scheduler` | yes | yes |
+| ``dead_letter_admin`` | :class:`DeadLetterAdmin` | yes | yes |
+| ``redis`` | :class:`RedisStore` | yes | no |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from broker.envelope import Envelope
+from broker.protocol import Broker, Delivery, GroupPartition
+from broker.scheduling import MoveResult, ScheduledMessage
+from broker.topology import DestinationSpec
+
+__all__ = [
+    "DEAD_LETTER_ADMIN",
+    "INBOX",
+    "OWNERSHIP",
+    "REDIS",
+    "SCHEDULING",
+    "DeadLetterAdmin",
+    "InboxStore",
+    "PartitionOwnership",
+    "RedisStore",
+    "Scheduler",
+    "as_dead_letter_admin",
+    "as_inbox",
+    "as_ownership",
+    "as_redis",
+    "as_scheduler",
+    "missing",
+    "supports",
+]
+
+INBOX = "inbox"
+"""Processed message ids per group with leases (:class:`InboxStore`): duplicates are acked unrun."""
+OWNERSHIP = "ownership"
+"""Partition leases with fencing tokens (:class:`PartitionOwnership`): order per key across processes."""
+SCHEDULING = "scheduling"
+"""Messages stored until a due time, recurring jobs' ticks (:class:`Scheduler`)."""
+DEAD_LETTER_ADMIN = "dead_letter_admin"
+"""Listing, redriving and purging dead letters; removing groups and destinations (:class:`DeadLetterAdmin`)."""
+REDIS = "redis"
+"""The Redis data store beside the streams (:class:`RedisStore`): ``ctx.redis``,
+``ctx.redis_transaction()`` effects atomic with the ack, saga state kept in Redis."""
+
+
+@runtime_checkable
+class InboxStore(Protocol):
+    """The inbox: leases while a handler runs, records made final with the ack (``ack(inbox=True)``)."""
+
+    async def inbox_claim(
+        self,
+        source: GroupPartition,
+        deliveries: Sequence[Delivery],
+        lease_ms: int,
+        *,
+        channel: Any = None,
+        window_ms: int = 0,
+    ) -> list[int]:
+        """Per delivery: 0 leased to the caller (run it), 1 already processed (ack it), 2 leased
+        elsewhere (leave it pending). Redeliveries take stale leases over. ``window_ms``: the
+        group's dedup window, which the records made final later are kept for (0: as stored)."""
+        ...
+
+    async def trim_inbox(self, source: GroupPartition, older_than_ms: int) -> int:
+        """Forget processed ids recorded before ``older_than_ms`` and leases that expired."""
+        ...
+
+
+@runtime_checkable
+class PartitionOwnership(Protocol):
+    """Which instance of a group owns which partition: heartbeats, leases with fencing tokens, take-over.
+
+    A lease is held for ``ttl_ms`` from its acquisition or last renewal (by the server's clock);
+    every acquisition raises the partition's token, which never goes back.
+    """
+
+    async def heartbeat(
+        self, destination: str, group: str, instance: str, ttl_ms: int, *, leave: bool = False
+    ) -> list[str]:
+        """Beat ``instance``'s heartbeat in the group (or leave it); return the live instances, sorted."""
+        ...
+
+    async def acquire_lease(self, source: GroupPartition, instance: str, ttl_ms: int) -> int:
+        """Take the partition's lease if free or expired (or held under ``instance``'s own name): the new
+        token, or 0."""
+        ...
+
+    async def renew_leases(self, held: Sequence[tuple[GroupPartition, int]], instance: str, ttl_ms: int) -> list[bool]:
+        """Renew (partition, token) leases in one round trip; False for each taken over meanwhile."""
+        ...
+
+    async def release_lease(self, source: GroupPartition, instance: str, token: int) -> bool:
+        """Free the lease (another instance may acquire it at once); False when the token is not current."""
+        ...
+
+    async def take_over(
+        self, source: GroupPartition, consumer: str, count: int, cursors: dict[str, str], *, token: int | None = None
+    ) -> list[Delivery]:
+        """Claim up to ``count`` entries pending in the partition for anyone, oldest first (a new
+        owner's first step); ``cursors`` carries the scan from call to call; ``token``: fenced
+        like :meth:`GroupReader.read`."""
+        ...
+
+    def taken_over(self, cursors: dict[str, str]) -> bool:
+        """Whether the :meth:`take_over` scan with ``cursors`` has gone through every pending entry."""
+        ...
+
+
+@runtime_checkable
+class DeadLetterAdmin(Protocol):
+    """Operators' tools: dead letters, removing groups and destinations. Never on the hot path."""
+
+    async def dead_letter_entries(
+        self, view: GroupPartition, count: int | None = None
+    ) -> list[tuple[str, dict[bytes, bytes]]]:
+        """The group's dead letters on this partition, oldest first: (DLQ entry id, fields)."""
+        ...
+
+    async def redrive(self, view: GroupPartition, dlq_entry_id: str) -> str | None:
+        """Move one dead letter back to its group only, as a first attempt; None if it is gone."""
+        ...
+
+    async def purge_dead_letters(self, view: GroupPartition, dlq_entry_ids: Sequence[str]) -> int:
+        """Delete dead letters for good; return how many existed."""
+        ...
+
+    async def unsubscribe(self, spec: DestinationSpec, group: str) -> None:
+        """Remove ``group`` from every partition with its retry, dead-letter and inbox state.
+
+        No liveness check: callers (``framework unsubscribe``) refuse while consumers are alive.
+        """
+        ...
+
+    async def delete_destination(self, spec: DestinationSpec, *, force: bool = False) -> int:
+        """Delete the destination with all its keys and registrations; return how many keys went.
+
+        Refuses while a group is subscribed or entries are stored, unless ``force``.
+        """
+        ...
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """Scheduled messages (stored by :meth:`Publisher.publish` when their ``deliver-at`` header lies
+    ahead) and recurring jobs' ticks. Moving, cancelling and firing are atomic: several processes
+    calling at once never deliver a message or fire a tick twice."""
+
+    async def move_scheduled(self, now_ms: int, *, limit: int = 1000, sweep: bool = False) -> MoveResult:
+        """Append due scheduled messages of the namespace to their partition streams."""
+        ...
+
+    async def cancel_scheduled(self, message_ids: Sequence[str], *, destination: str | None = None) -> int:
+        """Cancel scheduled messages by id; returns how many were still scheduled."""
+        ...
+
+    async def scheduled_messages(
+        self, *, destination: str | None = None, limit: int = 100, message_ids: Sequence[str] = ()
+    ) -> list[ScheduledMessage]:
+        """Scheduled messages, earliest due first (or those among ``message_ids``)."""
+        ...
+
+    async def count_scheduled(self, destination: str | None = None) -> int:
+        """How many messages wait for their due time."""
+        ...
+
+    async def fire_tick(self, queue: str, tick_ms: int, envelope: Envelope) -> int:
+        """Append a recurring job's tick to ``queue`` unless it (or a later tick) was fired:
+        1 fired, 0 fired before, -1 first tick seen (recorded, not fired)."""
+        ...
+
+
+@runtime_checkable
+class RedisStore(Protocol):
+    """The Redis data store of the Redis transport: handlers' own Redis reads and writes committed
+    atomically with the inbox mark and the ack, and the sagas' state kept beside their partitions."""
+
+    cluster: bool
+    """True on a Redis Cluster: writes of one atomic step must share the delivery's hash tag, so
+    a handler's outgoing messages are published before its effects commit."""
+
+    async def commit_effects(
+        self,
+        delivery: Delivery,
+        commands: Sequence[Sequence[Any]],
+        keys: Sequence[str],
+        outgoing: Sequence[Envelope] = (),
+        *,
+        reason: Mapping[str, str] = {},
+        token: int | None = None,
+    ) -> bool:
+        """Apply a handler's writes and ``outgoing``, mark the inbox and ack, atomically.
+
+        False when the message was already processed (only acked) or is no longer pending. A write
+        that fails part-way dead-letters the message in the same step and raises ``EffectsFailed``.
+        """
+        ...
+
+    redis: Any
+    """The Redis client itself: ``ctx.redis`` hands it to handlers for their own reads. A second
+    transport would offer None here (``ctx.redis`` is then None) or a client of its own."""
+    keyspace: KeySpace
+    """The key layout (:mod:`broker.redis.keys`): sagas keep their state and timeouts under the keys
+    of their queue's partitions, in the same atomic commit as the inbox mark and the ack."""
+
+    async def read_shared(self, *command: Any) -> Any:
+        """Run one Redis read ``command`` sent together with other tasks' reads (a saga step's
+        state read); its raw reply, an error reply raised."""
+        ...
+
+    async def read_hashes(
+        self, keys: Sequence[str], fields: Sequence[str], *, channel: Any = None
+    ) -> list[list[bytes | None] | None]:
+        """The same ``fields`` of each hash in ``keys`` in one call (a saga's states read ahead for
+        a fetched batch; on a Cluster the keys share a hash tag); raw values, None where absent,
+        None instead of the row for a key that is not a hash."""
+        ...
+
+
+def supports(broker: Broker, capability: str) -> bool:
+    """Whether ``broker`` declares ``capability`` (one of this module's names)."""
+    return capability in broker.capabilities
+
+
+def missing(broker: Broker, needed: Iterable[str]) -> list[str]:
+    """The capabilities in ``needed`` that ``broker`` does not declare, sorted."""
+    return sorted(set(needed) - broker.capabilities)
+
+
+def as_inbox(broker: Broker) -> InboxStore:
+    """``broker`` as an :class:`InboxStore`; ``TypeError`` naming the transport when it has none."""
+    return _narrow(broker, INBOX, InboxStore)
+
+
+def as_ownership(broker: Broker) -> PartitionOwnership:
+    """``broker`` as a :class:`PartitionOwnership`; ``TypeError`` when it has none."""
+    return _narrow(broker, OWNERSHIP, PartitionOwnership)
+
+
+def as_scheduler(broker: Broker) -> Scheduler:
+    """``broker`` as a :class:`Scheduler`; ``TypeError`` when it has none."""
+    return _narrow(broker, SCHEDULING, Scheduler)
+
+
+def as_dead_letter_admin(broker: Broker) -> DeadLetterAdmin:
+    """``broker`` as a :class:`DeadLetterAdmin`; ``TypeError`` when it has none."""
+    return _narrow(broker, DEAD_LETTER_ADMIN, DeadLetterAdmin)
+
+
+def as_redis(broker: Broker) -> RedisStore:
+    """``broker`` as a :class:`RedisStore`; ``TypeError`` when it has none."""
+    return _narrow(broker, REDIS, RedisStore)
+
+
+def _narrow(broker: Broker, name: str, proto: Any) -> Any:
+    if name not in broker.capabilities:
+        raise TypeError(f"the {broker.transport} transport has no {name!r} capability")
+    return broker
