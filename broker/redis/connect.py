@@ -1,4 +1,4 @@
-"""Connecting to a Redis or Valkey server (single node or Cluster): the Redis transport's part of :func:`broker.connect`."""
+"""Connecting to a Redis or Valkey server (single node or Cluster): the Redis part of :func:`broker.connect`."""
 
 from __future__ import annotations
 
