@@ -213,7 +213,7 @@ class RedisStore(Protocol):
     redis: Any
     """The Redis client itself: ``ctx.redis`` hands it to handlers for their own reads. A second
     transport would offer None here (``ctx.redis`` is then None) or a client of its own."""
-    keyspace: KeySpace
+    keyspace: Any
     """The key layout (:mod:`broker.redis.keys`): sagas keep their state and timeouts under the keys
     of their queue's partitions, in the same atomic commit as the inbox mark and the ack."""
 
