@@ -12,6 +12,7 @@ its first message. Each capability is a protocol of the methods it adds to :clas
 | ``ownership`` | :class:`PartitionOwnership` | yes (fencing in every settle script) | yes (one process) |
 | ``scheduling`` | :class:`Scheduler` | yes | yes |
 | ``dead_letter_admin`` | :class:`DeadLetterAdmin` | yes | yes |
+| ``introspection`` | :class:`~broker.introspection.Introspection` | yes | yes |
 | ``redis`` | :class:`RedisStore` | yes | no |
 """
 
@@ -21,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from broker.envelope import Envelope
+from broker.introspection import Introspection
 from broker.protocol import Broker, Delivery, GroupPartition
 from broker.scheduling import MoveResult, ScheduledMessage
 from broker.topology import DestinationSpec
@@ -28,6 +30,7 @@ from broker.topology import DestinationSpec
 __all__ = [
     "DEAD_LETTER_ADMIN",
     "INBOX",
+    "INTROSPECTION",
     "OWNERSHIP",
     "REDIS",
     "SCHEDULING",
@@ -38,6 +41,7 @@ __all__ = [
     "Scheduler",
     "as_dead_letter_admin",
     "as_inbox",
+    "as_introspection",
     "as_ownership",
     "as_redis",
     "as_scheduler",
@@ -53,6 +57,9 @@ SCHEDULING = "scheduling"
 """Messages stored until a due time, recurring jobs' ticks (:class:`Scheduler`)."""
 DEAD_LETTER_ADMIN = "dead_letter_admin"
 """Listing, redriving and purging dead letters; removing groups and destinations (:class:`DeadLetterAdmin`)."""
+INTROSPECTION = "introspection"
+"""Read-only views of destinations and groups: depth, pending, lag, leases, inbox memory
+(:class:`broker.introspection.Introspection`): ``framework status`` and "run until idle"."""
 REDIS = "redis"
 """The Redis data store beside the streams (:class:`RedisStore`): ``ctx.redis``,
 ``ctx.redis_transaction()`` effects atomic with the ack, saga state kept in Redis."""
@@ -244,6 +251,11 @@ def missing(broker: Broker, needed: Iterable[str]) -> list[str]:
 def as_inbox(broker: Broker) -> InboxStore:
     """``broker`` as an :class:`InboxStore`; ``TypeError`` naming the transport when it has none."""
     return _narrow(broker, INBOX, InboxStore)
+
+
+def as_introspection(broker: Broker) -> Introspection:
+    """``broker`` as an :class:`~broker.introspection.Introspection`; ``TypeError`` when it has none."""
+    return _narrow(broker, INTROSPECTION, Introspection)
 
 
 def as_ownership(broker: Broker) -> PartitionOwnership:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import re
-
-from redis.exceptions import NoPermissionError
+from collections.abc import Callable
 
 __all__ = [
     "BrokerError",
@@ -15,6 +14,10 @@ __all__ = [
     "LeaseLost",
     "MessageTooLarge",
     "PermissionDenied",
+    "connection_errors",
+    "is_connection_error",
+    "register_transport_errors",
+    "transport_errors",
 ]
 
 
@@ -59,12 +62,12 @@ class MessageTooLarge(BrokerError, ValueError):
 _COMMAND = re.compile(r"permissions to run the '([^']+)' command")
 
 
-class PermissionDenied(BrokerError, NoPermissionError):
+class PermissionDenied(BrokerError):
     """The server's ACL refused a command or a key to the broker user.
 
-    Raised for every NOPERM reply on connections made by :func:`broker.connect` (it is still a
-    redis ``NoPermissionError``). The message is one line naming the command (when the server
-    says it) and the key pattern the user needs.
+    Raised for every refusal on connections made by :func:`broker.connect` (on Redis, a subclass
+    that is also redis-py's ``NoPermissionError``). The message is one line naming the command
+    (when the server says it) and the key pattern the user needs.
     """
 
     def __init__(self, response: str = "", *args: object, namespace: str = "fw", **kwargs: object) -> None:
@@ -106,3 +109,41 @@ class EffectsFailed(Exception):
             f"Redis effects failed after {applied} command(s) were applied (not rolled back): {error}; "
             f"the message was dead-lettered as {dlq_entry}"
         )
+
+
+# -- transport client errors, registered by each transport package when it is imported ---------------
+
+_connection: tuple[type[BaseException], ...] = (OSError,)
+_closed: list[Callable[[BaseException], bool]] = []
+_transport: tuple[type[BaseException], ...] = ()
+
+
+def register_transport_errors(
+    *,
+    connection: tuple[type[BaseException], ...] = (),
+    closed: Callable[[BaseException], bool] | None = None,
+    any_error: tuple[type[BaseException], ...] = (),
+) -> None:
+    """Called by a transport package on import: its client's exception classes for a lost or
+    timed-out connection (``connection``, plus a ``closed`` predicate for errors a class cannot
+    tell), and the base classes of every error its client raises (``any_error``)."""
+    global _connection, _transport
+    _connection = tuple(dict.fromkeys((*_connection, *connection)))
+    _transport = tuple(dict.fromkeys((*_transport, *any_error)))
+    if closed is not None and closed not in _closed:
+        _closed.append(closed)
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc`` means a broker connection was lost or timed out (retry it; not a bug)."""
+    return isinstance(exc, _connection) or any(test(exc) for test in _closed)
+
+
+def connection_errors() -> tuple[type[BaseException], ...]:
+    """The classes :func:`is_connection_error` accepts (for ``except`` clauses)."""
+    return _connection
+
+
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """:class:`BrokerError` and every registered transport client's error base classes."""
+    return (BrokerError, *_transport)

@@ -172,6 +172,7 @@ class Extension(frozenset[str]):
     settled meanwhile (acked, retried, dead-lettered): not a take-over."""
 
     __slots__ = ("taken",)
+    taken: frozenset[str]
 
     def __new__(cls, owned: Iterable[str] = (), taken: Iterable[str] = ()) -> Extension:
         self = super().__new__(cls, owned)

@@ -28,9 +28,9 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from broker import Envelope, connect
-from broker.redis import EmbeddedServer, RedisBroker
-from broker.redis.inspect import stored_messages
+from broker import Broker, Envelope, connect
+from broker.capabilities import as_introspection
+from broker.redis import EmbeddedServer
 from broker.redis.sync_client import sync_client
 from framework.client import Client
 from framework.middleware import Middleware
@@ -168,7 +168,7 @@ class ServiceHarness:
         self.runtime: Runtime | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._done: anyio.Event | None = None  # created by start()
-        self.broker: RedisBroker
+        self.broker: Broker
         self.client: Client
 
     async def __aenter__(self) -> ServiceHarness:
@@ -231,7 +231,7 @@ class ServiceHarness:
     async def messages(self, destination: str) -> list[Envelope]:
         """Every message stored on ``destination`` (all partitions, each in stream order)."""
         spec = await self.broker.get_destination(destination)
-        return await stored_messages(self.broker, spec) if spec is not None else []
+        return await as_introspection(self.broker).stored_messages(spec) if spec is not None else []
 
     def stats(self) -> dict[str, Any]:
         """Counters per handler of the running runtime."""

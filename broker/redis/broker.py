@@ -15,8 +15,9 @@ facade forwarding to five role objects:
 
 from __future__ import annotations
 
-from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, OWNERSHIP, REDIS, SCHEDULING
+from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, REDIS, SCHEDULING
 from broker.redis.administration import Administration
+from broker.redis.inspect import Inspection
 from broker.redis.leases import Leases
 from broker.redis.publishing import Publishing
 from broker.redis.reading import Reading
@@ -24,12 +25,12 @@ from broker.redis.settlement import Settlement
 
 __all__ = ["ROLES", "RedisBroker"]
 
-ROLES: tuple[type, ...] = (Publishing, Reading, Settlement, Administration, Leases)
+ROLES: tuple[type, ...] = (Publishing, Reading, Settlement, Administration, Leases, Inspection)
 """The role mixins :class:`RedisBroker` is made of (topology comes in through three of them; leases
 build on reading)."""
 
 
-class RedisBroker(Publishing, Leases, Reading, Settlement, Administration):
+class RedisBroker(Publishing, Leases, Reading, Settlement, Administration, Inspection):
     """Broker on Redis Streams. Use :func:`broker.connect` to build one from a URL.
 
     One instance is safe to share between tasks of one event loop (not between threads or event
@@ -40,4 +41,4 @@ class RedisBroker(Publishing, Leases, Reading, Settlement, Administration):
     """
 
     transport = "redis"
-    capabilities = frozenset({INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, REDIS})
+    capabilities = frozenset({INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, INTROSPECTION, REDIS})

@@ -64,4 +64,4 @@ class BrokerCluster(RedisCluster):
                 if len(slots) != 1:
                     raise RedisClusterException(f"{name} - all keys must map to the same key slot")
                 return slots.pop()
-        return await super()._determine_slot(command, *args)  # type: ignore[no-any-return]
+        return await super()._determine_slot(command, *args)

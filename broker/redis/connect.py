@@ -14,7 +14,11 @@ from broker.redis.broker import RedisBroker
 from broker.redis.wire import client_options, command_timeout_from_env
 from broker.urls import default_namespace, redact
 
-__all__ = ["connect_redis"]
+__all__ = ["RedisPermissionDenied", "connect_redis"]
+
+
+class RedisPermissionDenied(PermissionDenied, NoPermissionError):
+    """:class:`PermissionDenied` raised by redis-py's parser: also its ``NoPermissionError``."""
 
 
 _SCRIPT_ACL = ("The user executing the script can't", "ACL failure in script")  # Redis 7, Valkey
@@ -36,7 +40,7 @@ def _permission_parser(namespace: str) -> type:
     """The default reply parser, raising :class:`PermissionDenied` (one line naming the command and
     ``~namespace:*``) for ACL refusals instead of redis' bare ``NoPermissionError``."""
     base: Any = aconn.DefaultParser
-    factory = functools.partial(PermissionDenied, namespace=namespace)
+    factory = functools.partial(RedisPermissionDenied, namespace=namespace)
     classes = dict(base.EXCEPTION_CLASSES)
     classes["NOPERM"] = factory
     script_errors = _ScriptErrors(classes.get("ERR", {}))

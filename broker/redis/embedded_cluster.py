@@ -32,12 +32,15 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
 from broker.errors import BrokerUnavailable, ConfigurationError
 from broker.redis.embedded import _alive, _binary, _make_private, _ping, _write_private, framework_home, local_url
+
+if TYPE_CHECKING:
+    import redis
 
 __all__ = [
     "SLOTS",
@@ -211,7 +214,7 @@ class LocalCluster:
         with self._locked():
             status = self.status()
             if status.running and _cluster_info(status.nodes[0].port, status.password).get("cluster_state") == "ok":
-                return status.url  # type: ignore[return-value]
+                return cast(str, status.url)  # running: it has one
             password = self.password()
             if password is None:
                 password = secrets.token_urlsafe(32)
@@ -226,7 +229,7 @@ class LocalCluster:
             except BaseException:
                 self._stop_nodes(started)
                 raise
-        return ClusterStatus(True, self.data_dir, tuple(started), password).url  # type: ignore[return-value]
+        return cast(str, ClusterStatus(True, self.data_dir, tuple(started), password).url)  # running: it has one
 
     def _plan(self, nodes: int, base_port: int | None) -> list[ClusterNode]:
         if base_port is not None:
@@ -315,16 +318,16 @@ class LocalCluster:
 
         clients = [redis.Redis(host="127.0.0.1", port=n.port, password=password, socket_timeout=5) for n in nodes]
         try:
-            infos = [_parse_info(c.execute_command("CLUSTER INFO")) for c in clients]
+            infos = [_parse_info(_command(c, "CLUSTER INFO")) for c in clients]
             assigned = sum(int(i["cluster_slots_assigned"]) for i in infos)
             if assigned == 0:  # a new cluster: nodes.conf of a restarted one keeps its slots and peers
                 for client, (first, last) in zip(clients, slot_ranges(len(nodes)), strict=True):
-                    client.execute_command("CLUSTER ADDSLOTSRANGE", first, last)
+                    _command(client, "CLUSTER ADDSLOTSRANGE", first, last)
             for client in clients[1:]:
-                client.execute_command("CLUSTER MEET", "127.0.0.1", nodes[0].port, nodes[0].bus_port)
+                _command(client, "CLUSTER MEET", "127.0.0.1", nodes[0].port, nodes[0].bus_port)
             deadline = time.monotonic() + timeout
             while True:
-                infos = [_parse_info(c.execute_command("CLUSTER INFO")) for c in clients]
+                infos = [_parse_info(_command(c, "CLUSTER INFO")) for c in clients]
                 if all(
                     i.get("cluster_state") == "ok" and int(i.get("cluster_known_nodes", 0)) >= len(nodes) for i in infos
                 ):
@@ -367,6 +370,11 @@ class LocalCluster:
         return bool(pids)
 
 
+def _command(client: redis.Redis, *args: Any) -> Any:
+    """``client.execute_command(*args)``: its raw reply."""
+    return client.execute_command(*args)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+
+
 def _parse_info(raw: Any) -> dict[str, str]:
     if isinstance(raw, dict):  # redis-py parses CLUSTER INFO itself
         return {str(k): v.decode() if isinstance(v, bytes) else str(v) for k, v in raw.items()}
@@ -384,7 +392,7 @@ def _cluster_info(port: int, password: str | None, timeout: float = 2.0) -> dict
 
     client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=timeout)
     try:
-        return _parse_info(client.execute_command("CLUSTER INFO"))
+        return _parse_info(_command(client, "CLUSTER INFO"))
     finally:
         client.close()
 

@@ -1,4 +1,4 @@
-"""Read-only views of destinations, partitions and groups: depth, pending, lag, and what removing them deletes.
+"""The introspection capability on Redis: depth, pending, lag, leases, and what removing a group or destination deletes.
 
 :func:`describe` serves ``framework status``; :func:`group_usage` and :func:`destination_usage` say
 what ``framework unsubscribe`` and ``framework delete`` would remove; nothing here changes a key.
@@ -6,6 +6,7 @@ what ``framework unsubscribe`` and ``framework delete`` would remove; nothing he
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -14,9 +15,20 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from broker.codec import decode_fields
 from broker.envelope import Envelope, now_ms
+from broker.introspection import (
+    INBOX_BYTES_PER_ID,
+    ConsumerSeen,
+    DestinationState,
+    DestinationUsage,
+    GroupState,
+    GroupUsage,
+    InboxMemory,
+    LeaseView,
+    PartitionState,
+)
 from broker.protocol import GroupPartition
-from broker.redis.broker import RedisBroker
 from broker.redis.keys import INBOX_SLOT_MS, inbox_slot
+from broker.redis.topology import Topology
 from broker.topology import DestinationSpec
 
 __all__ = [
@@ -36,52 +48,17 @@ __all__ = [
     "group_usage",
     "inbox_memory",
     "stored_messages",
+    "Inspection",
 ]
 
 _LAG_SCAN_LIMIT = 100_000  # when the server cannot tell the lag, count at most this many entries
 _UNREAD_SCAN_LIMIT = 1_000_000  # the same, for a report before deleting a group: exactness over speed
 
-INBOX_BYTES_PER_ID = 24
-"""Server bytes one processed id costs in the inbox's buckets (measured by ``python -m benchmarks
---only memory``: about 20; rounded up for buckets of slots the rate does not fill)."""
-_ZSET_BYTES_PER_ID = 110  # an id kept in the zset (not a UUIDv7/v8, or recorded before the buckets)
 _DEFAULT_WINDOW_MS = 7 * 24 * 3600 * 1000
 _RATE_SLOTS = 4  # the rate is the busiest of the last complete slots (about an hour)
 
 
-@attrs.frozen
-class InboxMemory:
-    """What a group's inbox holds on one or more partitions, and what it will hold at its rate.
-
-    ``ids`` are remembered now (buckets and zset); ``ids_per_s`` is the busiest of the last
-    complete 17.5-minute slots (ids recorded, by the ids' own time); ``window_ms`` is the dedup
-    window the group's workers store (a week until one runs). ``bytes`` is the server memory the
-    inbox needs at that rate over the whole window (or now, if more): the sizing rule
-    ``bytes per id x rate x window``.
-    """
-
-    ids: int = 0
-    bucket_ids: int = 0
-    ids_per_s: float = 0.0
-    window_ms: int = 0
-
-    @property
-    def bytes(self) -> int:
-        """Projected server memory over the whole window, in bytes."""
-        at_rate = self.ids_per_s * self.window_ms / 1000
-        zset = self.ids - self.bucket_ids
-        return int(max(self.bucket_ids, at_rate) * INBOX_BYTES_PER_ID + zset * _ZSET_BYTES_PER_ID)
-
-    def __add__(self, other: InboxMemory) -> InboxMemory:
-        return InboxMemory(
-            self.ids + other.ids,
-            self.bucket_ids + other.bucket_ids,
-            self.ids_per_s + other.ids_per_s,
-            max(self.window_ms, other.window_ms),
-        )
-
-
-async def inbox_memory(broker: RedisBroker, view: GroupPartition, *, now: int | None = None) -> InboxMemory:
+async def inbox_memory(broker: Topology, view: GroupPartition, *, now: int | None = None) -> InboxMemory:
     """Read what ``view``'s inbox holds (one pipelined round trip of HGETs and a ZCARD; no SCAN).
 
     Counts the slots that ids of the window's time fall in (ids far older, from a replay, are
@@ -104,112 +81,11 @@ async def inbox_memory(broker: RedisBroker, view: GroupPartition, *, now: int | 
     return InboxMemory(int(zcard) + sum(per_slot), sum(per_slot), rate, window)
 
 
-@attrs.frozen
-class LeaseView:
-    """Who owns a group's partition (partition ownership): ``owner`` '' when nobody holds it now.
-
-    ``token`` is the fencing token of the latest acquisition; ``age_ms`` how long the owner has held
-    it; ``expires_in_ms`` how long until it lapses without a heartbeat (negative: lapsed).
-    """
-
-    owner: str
-    token: int
-    age_ms: int
-    expires_in_ms: int
-
-
-@attrs.frozen
-class GroupState:
-    """A consumer group on one partition.
-
-    ``lag`` counts entries not yet delivered to the group (including its redeliver stream);
-    ``pending`` counts delivered, unacknowledged ones; ``delayed`` waits in the retry path;
-    ``lease`` is the partition's owner in the group (None unless the partition is owned: see
-    ``framework.runtime.ownership``; filled by :func:`describe`).
-    """
-
-    group: str
-    consumers: int
-    pending: int
-    lag: int
-    delayed: int
-    dead_letters: int
-    inbox: InboxMemory = InboxMemory()
-    lease: LeaseView | None = None
-
-    @property
-    def idle(self) -> bool:
-        """Nothing left to deliver or settle (delayed retries aside)."""
-        return self.pending == 0 and self.lag == 0
-
-
-@attrs.frozen
-class PartitionState:
-    """One partition stream: its length, its groups, and the messages scheduled for it (not yet due)."""
-
-    partition: int
-    length: int
-    groups: list[GroupState]
-    scheduled: int = 0
-
-
-@attrs.frozen
-class DestinationState:
-    """A destination and all its partitions."""
-
-    spec: DestinationSpec
-    partitions: list[PartitionState]
-
-    @property
-    def depth(self) -> int:
-        """Entries stored over all partitions (for topics: retained, not only unread)."""
-        return sum(p.length for p in self.partitions)
-
-    @property
-    def scheduled(self) -> int:
-        """Messages scheduled for the destination and not yet due (``send(..., delay=...)``)."""
-        return sum(p.scheduled for p in self.partitions)
-
-    def to_json(self) -> dict[str, Any]:
-        """Plain data for ``framework status --json``."""
-        return {
-            "name": self.spec.name,
-            "kind": self.spec.kind,
-            "partitions": self.spec.partitions,
-            "retention_ms": self.spec.retention_ms,
-            "max_length": self.spec.max_length,
-            "depth": self.depth,
-            "scheduled": self.scheduled,
-            "groups": _group_totals(self),
-            "per_partition": [attrs.asdict(p) for p in self.partitions],
-        }
-
-
-def _group_totals(state: DestinationState) -> list[dict[str, Any]]:
-    totals: dict[str, dict[str, Any]] = {}
-    for p in state.partitions:
-        for g in p.groups:
-            t = totals.setdefault(
-                g.group, {"group": g.group, "consumers": 0, "pending": 0, "lag": 0, "delayed": 0, "dead_letters": 0}
-            )
-            t["consumers"] = max(t["consumers"], g.consumers)
-            for k in ("pending", "lag", "delayed", "dead_letters"):
-                t[k] += getattr(g, k)
-            t["_inbox"] = t.get("_inbox", InboxMemory()) + g.inbox
-    for t in totals.values():
-        inbox = t.pop("_inbox", InboxMemory())
-        t["inbox_ids"] = inbox.ids
-        t["inbox_ids_per_s"] = round(inbox.ids_per_s, 3)
-        t["inbox_window_s"] = inbox.window_ms / 1000
-        t["inbox_bytes"] = inbox.bytes  # projected over the whole window at the recent rate
-    return sorted(totals.values(), key=lambda t: t["group"])
-
-
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-async def _lag(broker: RedisBroker, stream: str, info: dict[str, Any], limit: int = _LAG_SCAN_LIMIT) -> int:
+async def _lag(broker: Topology, stream: str, info: dict[str, Any], limit: int = _LAG_SCAN_LIMIT) -> int:
     lag = info.get("lag")
     if lag is not None:
         return int(lag)
@@ -218,7 +94,7 @@ async def _lag(broker: RedisBroker, stream: str, info: dict[str, Any], limit: in
     return len(rows)
 
 
-async def group_state(broker: RedisBroker, view: GroupPartition) -> GroupState:
+async def group_state(broker: Topology, view: GroupPartition) -> GroupState:
     """Depth figures of ``view``'s group on its partition (main and redeliver streams)."""
     consumers = pending = lag = 0
     for stream in (view.stream, view.keys.redeliver):
@@ -236,7 +112,7 @@ async def group_state(broker: RedisBroker, view: GroupPartition) -> GroupState:
     return GroupState(view.group, consumers, pending, lag, int(delayed), int(dead), inbox)
 
 
-async def _with_lease(broker: RedisBroker, view: GroupPartition) -> GroupState:
+async def _with_lease(broker: Topology, view: GroupPartition) -> GroupState:
     state = await group_state(broker, view)
     if not await broker.redis.hget(view.keys.lease, "token"):  # never owned: every instance reads it
         return state
@@ -251,7 +127,7 @@ async def _with_lease(broker: RedisBroker, view: GroupPartition) -> GroupState:
     return attrs.evolve(state, lease=view_)
 
 
-async def describe(broker: RedisBroker, names: list[str] | None = None) -> list[DestinationState]:
+async def describe(broker: Topology, names: list[str] | None = None) -> list[DestinationState]:
     """State of every declared destination (or of ``names``), with all groups that subscribed."""
     specs = await broker.list_destinations()
     if names:
@@ -280,12 +156,12 @@ async def describe(broker: RedisBroker, names: list[str] | None = None) -> list[
     return out
 
 
-async def dead_letter_count(broker: RedisBroker, view: GroupPartition) -> int:
+async def dead_letter_count(broker: Topology, view: GroupPartition) -> int:
     """Dead letters of ``view``'s group on its partition."""
     return int(await broker.redis.xlen(view.keys.dlq))
 
 
-async def stored_messages(broker: RedisBroker, spec: DestinationSpec) -> list[Envelope]:
+async def stored_messages(broker: Topology, spec: DestinationSpec) -> list[Envelope]:
     """Every message stored on ``spec`` (all partitions, each in stream order), decoded."""
     out: list[Envelope] = []
     for p in range(spec.partitions):
@@ -299,38 +175,7 @@ async def stored_messages(broker: RedisBroker, spec: DestinationSpec) -> list[En
 # -- what removing a group or a destination deletes ------------------------------------------------------
 
 
-@attrs.frozen
-class ConsumerSeen:
-    """A consumer of a group: how long since the server last saw it read, and how many entries it holds."""
-
-    name: str
-    idle_ms: int
-    pending: int
-
-
-@attrs.frozen
-class GroupUsage:
-    """Everything ``group`` holds on ``spec``, summed over its partitions.
-
-    ``start`` is where the group began when it subscribed (``earliest`` or ``latest``);
-    ``consumers`` are all consumers the server knows, most recently seen first.
-    """
-
-    spec: DestinationSpec
-    group: str
-    start: str
-    consumers: list[ConsumerSeen]
-    inbox: int  # message ids remembered for deduplication (processed, or leased to a running handler)
-    retries: int  # waiting in the group's retry path (redeliver stream and delayed set)
-    dead: int
-    pending: int  # delivered to the group and not acknowledged
-    retained: int  # entries in the partition streams
-    delivered: int  # of those, already delivered to the group (topics only)
-    unread: int  # of those, not yet delivered to the group (topics only)
-    oldest_ms: int | None  # time of the oldest retained entry
-
-
-async def _consumers_seen(broker: RedisBroker, view: GroupPartition, seen: dict[str, ConsumerSeen]) -> None:
+async def _consumers_seen(broker: Topology, view: GroupPartition, seen: dict[str, ConsumerSeen]) -> None:
     """Merge the consumers of ``view``'s main and redeliver streams into ``seen`` (by name)."""
     for stream in (view.stream, view.keys.redeliver):
         try:
@@ -346,7 +191,7 @@ async def _consumers_seen(broker: RedisBroker, view: GroupPartition, seen: dict[
             seen[name] = ConsumerSeen(name, idle, held)
 
 
-async def group_usage(broker: RedisBroker, spec: DestinationSpec, group: str) -> GroupUsage:
+async def group_usage(broker: Topology, spec: DestinationSpec, group: str) -> GroupUsage:
     """Read everything :class:`GroupUsage` says about ``group`` on ``spec`` (nothing is changed)."""
     raw = await broker.redis.hget(broker.keyspace.subscriptions, f"{spec.name}|{group}")
     start = str(orjson.loads(raw).get("start", "earliest")) if raw else "earliest"
@@ -381,16 +226,7 @@ async def group_usage(broker: RedisBroker, spec: DestinationSpec, group: str) ->
     return GroupUsage(spec, group, start, consumers, inbox, retries, dead, pending, retained, delivered, unread, oldest)
 
 
-@attrs.frozen
-class DestinationUsage:
-    """What a destination holds: its groups (registered or present on a stream), stored entries, dead letters."""
-
-    groups: list[str]
-    entries: int
-    dead: int
-
-
-async def destination_usage(broker: RedisBroker, spec: DestinationSpec) -> DestinationUsage:
+async def destination_usage(broker: Topology, spec: DestinationSpec) -> DestinationUsage:
     """Read the groups, stored entries and dead letters of ``spec`` (nothing is changed)."""
     groups = {g for d, g in await broker.list_subscriptions() if d == spec.name}
     entries = dead = 0
@@ -402,3 +238,35 @@ async def destination_usage(broker: RedisBroker, spec: DestinationSpec) -> Desti
         for p in range(spec.partitions):
             dead += await dead_letter_count(broker, broker.group_partition(spec, p, group))
     return DestinationUsage(sorted(groups), entries, dead)
+
+
+class Inspection(Topology):
+    """The ``introspection`` capability of :class:`~broker.redis.RedisBroker` (the functions above as methods)."""
+
+    async def describe(self, names: Sequence[str] | None = None) -> list[DestinationState]:
+        """State of every declared destination (or of ``names``), with all groups that subscribed."""
+        return await describe(self, list(names) if names else None)
+
+    async def group_state(self, view: GroupPartition) -> GroupState:
+        """Depth figures of ``view``'s group on its partition (main and redeliver streams)."""
+        return await group_state(self, view)
+
+    async def dead_letter_count(self, view: GroupPartition) -> int:
+        """Dead letters of ``view``'s group on its partition."""
+        return await dead_letter_count(self, view)
+
+    async def inbox_memory(self, view: GroupPartition, *, now: int | None = None) -> InboxMemory:
+        """What ``view``'s inbox holds, and the memory it will need over its window."""
+        return await inbox_memory(self, view, now=now)
+
+    async def group_usage(self, spec: DestinationSpec, group: str) -> GroupUsage:
+        """Everything ``group`` holds on ``spec``."""
+        return await group_usage(self, spec, group)
+
+    async def destination_usage(self, spec: DestinationSpec) -> DestinationUsage:
+        """The groups, stored entries and dead letters of ``spec``."""
+        return await destination_usage(self, spec)
+
+    async def stored_messages(self, spec: DestinationSpec) -> list[Envelope]:
+        """Every message stored on ``spec``, decoded."""
+        return await stored_messages(self, spec)

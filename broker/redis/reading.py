@@ -193,7 +193,7 @@ class Reading(RedisCore):
                 return reply[1], []
             return None, [text(reply[1]), text(reply[2])]
         lease = source.keys.lease
-        read = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", count]
+        read: list[Any] = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", count]
         read += ["STREAMS", source.stream, source.keys.redeliver, ">", ">"]
         tops = [["XINFO", "STREAM", stream] for stream in (source.stream, source.keys.redeliver)]
         while True:

@@ -275,8 +275,8 @@ class Settlement(Topology):
         flat: list[Any] = []
         for k, v in delivery.fields.items():
             flat += (k, v)
-        for k, v in reason.items():
-            flat += (k, v)
+        for name, value in reason.items():
+            flat += (name, value)
         if not flat:
             flat = ["dlq-empty", "1"]  # the entry was deleted: keep a record all the same
         delete = "1" if source.deletes_on_ack(delivery.stream) else "0"

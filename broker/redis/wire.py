@@ -18,15 +18,17 @@ import asyncio
 import math
 import os
 import socket
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import redis.asyncio.connection as aconn
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.errors import ConfigurationError
+from broker.errors import ConfigurationError, register_transport_errors
 
+_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:
     from hiredis import pack_command as _hiredis_pack
 except ImportError:  # pragma: no cover - hiredis is installed with redis[hiredis]
@@ -96,11 +98,22 @@ def is_closed_transport(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "closed=True" in str(exc)
 
 
+register_transport_errors(
+    connection=(RedisConnectionError, RedisTimeoutError), closed=is_closed_transport, any_error=(RedisError,)
+)
+
+
 def _lost(exc: BaseException) -> RedisConnectionError:
     return RedisConnectionError(f"connection to the broker lost: {exc}")
 
 
-class _FastConnection:
+if TYPE_CHECKING:
+    _ConnectionBase = aconn.AbstractConnection  # what the mixin is mixed into (typed as such)
+else:
+    _ConnectionBase = object
+
+
+class _FastConnection(_ConnectionBase):
     """Mixin: hiredis packing, and a closed transport reported as ``ConnectionError``."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
@@ -112,24 +125,24 @@ class _FastConnection:
                 return [_hiredis_pack(args)]
             except TypeError:
                 pass
-        return super().pack_command(*args)  # type: ignore[misc, no-any-return]
+        return super().pack_command(*args)
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         try:
-            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+            await super().send_packed_command(command, check_health)
         except RuntimeError as exc:
             if not is_closed_transport(exc):
                 raise
-            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+            await self.disconnect(nowait=True)
             raise _lost(exc) from exc
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+            return await super().read_response(*args, **kwargs)
         except RuntimeError as exc:
             if not is_closed_transport(exc):
                 raise
-            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+            await self.disconnect(nowait=True)
             raise _lost(exc) from exc
 
     async def send_unbounded(self, packed: list[bytes]) -> None:
@@ -138,18 +151,18 @@ class _FastConnection:
         redis-py's ``send_packed_command`` wraps each write in ``asyncio.wait_for`` when the
         connection has a socket timeout, which starts a task per call.
         """
-        if self.is_connected and self._writer.is_closing():  # type: ignore[attr-defined]
+        if self.is_connected and cast("asyncio.StreamWriter", self._writer).is_closing():
             # Reset or closed while idle: nothing was sent on it yet, so open a fresh one rather
             # than fail a call that never reached the server.
-            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
-        if not self.is_connected:  # type: ignore[attr-defined]
-            await self.connect_check_health(check_health=False)  # type: ignore[attr-defined]
+            await self.disconnect(nowait=True)
+        if not self.is_connected:
+            await self.connect_check_health(check_health=False)
         try:
-            writer = self._writer  # type: ignore[attr-defined]
+            writer = cast("asyncio.StreamWriter", self._writer)  # connected: set
             writer.writelines(packed)
             await writer.drain()
         except OSError as exc:
-            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+            await self.disconnect(nowait=True)
             raise RedisConnectionError(f"error while writing to the broker: {exc}") from exc
 
 

@@ -1,8 +1,9 @@
 """The ``framework`` command: run services, inspect destinations, send messages, manage the server.
 
-Every sub-command that talks to the broker takes ``--redis-url`` (default ``$REDIS_URL``, else the
-per-user embedded Valkey, see :func:`broker.redis.default_data_dir`) and ``--namespace`` (default
-``$FRAMEWORK_NAMESPACE`` or ``fw``). Errors are one line on stderr with exit status 2 (bad
+Every sub-command that talks to the broker takes ``--broker-url`` (alias ``--redis-url``; default
+``$BROKER_URL``, else ``$REDIS_URL``, else the per-user embedded Valkey, see
+:func:`broker.redis.default_data_dir`) and ``--namespace`` (default ``$FRAMEWORK_NAMESPACE`` or
+``fw``); ``memory://`` is refused (it lives inside one process). Errors are one line on stderr with exit status 2 (bad
 arguments) or 1 (the broker, the database or the code failed).
 
 One module per command group, named for it: :mod:`~framework.cli.run`, :mod:`~framework.cli.status`,

@@ -13,7 +13,8 @@ from typing import Any, NoReturn
 
 import orjson
 
-from broker import BrokerError
+from broker.connect import configured_url, is_memory_url
+from broker.errors import transport_errors
 from framework.cli.args import json_argument
 from framework.service import HandlerError
 
@@ -32,9 +33,27 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def refuse_memory(url: str | None) -> None:
+    """Raise :class:`UsageError` for a ``memory://`` URL: a command run from the shell cannot meet
+    anything there (that transport lives inside one process: users' unit tests)."""
+    if is_memory_url(url):
+        raise UsageError(
+            "memory:// is an in-process transport for unit tests (ServiceHarness): a separate process "
+            "(framework run, the relay, this command) would run alone on it; use redis://host:port "
+            "or leave the URL unset for the embedded Valkey"
+        )
+
+
 def connection_options(p: argparse.ArgumentParser) -> None:
-    """Add ``--redis-url`` and ``--namespace`` (resolved by :func:`broker.connect` when left out)."""
-    p.add_argument("--redis-url", default=None, help="broker URL (default: $REDIS_URL, else the embedded Valkey)")
+    """Add ``--broker-url`` (alias ``--redis-url``) and ``--namespace`` (resolved by :func:`broker.connect`
+    when left out)."""
+    p.add_argument(
+        "--broker-url",
+        "--redis-url",
+        dest="redis_url",
+        default=None,
+        help="broker URL: redis://, rediss://, unix:// (default: $BROKER_URL, else $REDIS_URL, else embedded Valkey)",
+    )
     p.add_argument("--namespace", default=None, help="key prefix (default: $FRAMEWORK_NAMESPACE or 'fw')")
 
 
@@ -53,9 +72,9 @@ def print_json(data: Any) -> None:
 
 def _reportable() -> tuple[type[BaseException], ...]:
     """Errors shown as one line (no traceback): they say what was wrong and how to fix it."""
-    from redis.exceptions import NoPermissionError  # ACL refusals on connections broker.connect did not make
-
-    errors: tuple[type[BaseException], ...] = (BrokerError, HandlerError, NoPermissionError)
+    # transport_errors(): also the transport clients' own errors (ACL refusals on connections
+    # broker.connect did not make, such as the status views' blocking clients)
+    errors: tuple[type[BaseException], ...] = (*transport_errors(), HandlerError)
     try:
         from framework.sql import DatabaseUnavailable
     except ImportError:  # the sql extra is not installed
@@ -76,6 +95,8 @@ def run_command(args: argparse.Namespace) -> int:
     """Run the parsed sub-command (``args.func``); return its exit status, errors reported in one line."""
     try:
         try:
+            if hasattr(args, "redis_url"):  # a command that connects: memory:// from the environment too
+                refuse_memory(args.redis_url or configured_url())
             return int(args.func(args) or 0)
         except BaseExceptionGroup as group:  # raised through task groups: report the cause
             raise _cause(group) from None

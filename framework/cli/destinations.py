@@ -3,7 +3,7 @@
 ``unsubscribe`` refuses while consumers of the group are alive and ``delete`` while a destination
 has groups or entries (``--force`` overrides); both say what goes (and what a re-created group
 would replay) and ask for confirmation (``--yes``; without a terminal they refuse rather than ask).
-The figures come from :func:`broker.redis.inspect.group_usage` and :func:`broker.redis.inspect.destination_usage`.
+The figures come from :meth:`~broker.introspection.Introspection.group_usage` and ``destination_usage``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 import anyio
 
 from broker import connect
-from broker.redis.inspect import ConsumerSeen, DestinationUsage, GroupUsage, destination_usage, group_usage
+from broker.capabilities import as_introspection
+from broker.introspection import ConsumerSeen, DestinationUsage, GroupUsage
 from framework.cli.args import duration
 from framework.cli.common import UsageError, connection_options
 
@@ -114,7 +115,7 @@ def unsubscribe(args: argparse.Namespace) -> int:
             spec = await broker.get_destination(args.destination)
             if spec is None or (args.destination, args.group) not in await broker.list_subscriptions():
                 raise UsageError(f"group {args.group!r} is not subscribed to {args.destination!r}")
-            usage = await group_usage(broker, spec, args.group)
+            usage = await as_introspection(broker).group_usage(spec, args.group)
             live = live_consumers(usage, int(args.alive_within * 1000))
             if live and not args.force:
                 raise UsageError(
@@ -149,7 +150,7 @@ def delete(args: argparse.Namespace) -> int:
                 known = ", ".join(s.name for s in await broker.list_destinations()) or "none"
                 raise UsageError(f"unknown destination {args.destination!r}; known destinations: {known}")
             noun = "queue" if spec.kind == "command" else "topic"
-            usage = await destination_usage(broker, spec)
+            usage = await as_introspection(broker).destination_usage(spec)
             if (usage.groups or usage.entries) and not args.force:
                 first = "unsubscribe its groups first (framework unsubscribe), or " if usage.groups else ""
                 raise UsageError(

@@ -96,10 +96,10 @@ def relay_command(args: argparse.Namespace) -> int:
     """Publish committed outbox messages until a signal (``--once``: what waits now, then exit)."""
     engine = _engine(args)  # first: it says in one line when the sql extra is missing
 
-    from redis.exceptions import RedisError
     from sqlalchemy.exc import SQLAlchemyError
 
     from broker import connect
+    from broker.errors import transport_errors
     from framework import observability
     from framework.logs import get_logger
     from framework.outbox import OutboxRelay
@@ -132,7 +132,7 @@ def relay_command(args: argparse.Namespace) -> int:
                 if args.once:
                     try:
                         settled = await relay.drain()
-                    except (RedisError, SQLAlchemyError) as exc:
+                    except (*transport_errors(), SQLAlchemyError) as exc:
                         raise _Fail(
                             f"stopped after publishing {relay.published} message(s): {_one_line(exc)}; "
                             "the next run publishes the rest"

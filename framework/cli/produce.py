@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 
+from broker.errors import transport_errors
 from framework.cli.common import UsageError, connection_options, json_payload
 
 __all__ = ["register"]
@@ -68,12 +69,10 @@ async def _require_known(broker: Any, name: str, kind: str) -> None:
         return  # a kind mismatch is reported by the client, naming the right verb
     import difflib
 
-    from redis.exceptions import NoPermissionError
-
     noun = "queue" if kind == "command" else "topic"
     try:
         known = [s.name for s in await broker.list_destinations() if s.kind == kind]
-    except NoPermissionError:  # a producer's ACL need not list destinations (HGETALL)
+    except transport_errors():  # a producer's ACL need not list destinations (HGETALL: NOPERM)
         raise UsageError(f"unknown {noun} {name!r}; pass --create to declare it") from None
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -220,7 +220,7 @@ def _milliseconds(text: str) -> float:
 def register(sub: Any) -> None:
     """Add ``run`` to the ``framework`` command."""
     run = sub.add_parser("run", help="run services until SIGTERM/SIGINT")
-    run.add_argument("targets", nargs="+", metavar="MODULE:SERVICE", help="e.g. example_services.billing:service")
+    run.add_argument("targets", nargs="+", metavar="MODULE:SERVICE", help="e.g. example_services.quickstart:billing")
     run.add_argument("--concurrency", type=positive_int, default=64, help="handlers running at once (default 64)")
     run.add_argument("--prefetch", type=positive_int, default=500, help="entries fetched per read (default 500)")
     run.add_argument(

@@ -3,7 +3,8 @@
 ``scheduled`` counts a destination's messages sent with a delay or a due time and not yet due
 (``framework schedule list`` shows them).
 
-A table on a terminal, ``--json`` for scripts; the figures come from :func:`broker.redis.inspect.describe`.
+A table on a terminal, ``--json`` for scripts; the figures come from the transport's introspection
+(:meth:`~broker.introspection.Introspection.describe`).
 The ``inbox`` column is the server memory a group's Redis inbox needs over its whole dedup window
 at its recent rate (bytes per id x ids per second x window); a footer line names every group past
 the budget (``--inbox-budget``, default ``$FRAMEWORK_INBOX_MEMORY_BUDGET``, else 256 MiB).
@@ -23,7 +24,8 @@ from typing import Any
 import anyio
 
 from broker import connect
-from broker.redis.inspect import DestinationState, describe
+from broker.capabilities import as_introspection
+from broker.introspection import DestinationState
 from framework.cli.common import UsageError, connection_options, print_json
 from framework.settings import inbox_memory_budget, parse_bytes
 
@@ -55,7 +57,7 @@ def show_status(args: argparse.Namespace) -> int:
     async def collect() -> list[DestinationState]:
         broker = await connect(args.redis_url, namespace=args.namespace)
         try:
-            return await describe(broker, args.destinations or None)
+            return await as_introspection(broker).describe(args.destinations or None)
         finally:
             await broker.close()
 

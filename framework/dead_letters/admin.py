@@ -15,10 +15,9 @@ import anyio
 import attrs
 import orjson
 
-from broker import GroupPartition
+from broker import Broker, GroupPartition
 from broker import headers as h
-from broker.redis import RedisBroker
-from broker.redis.inspect import dead_letter_count
+from broker.capabilities import as_dead_letter_admin, as_introspection
 
 __all__ = ["DeadLetter", "DeadLetters"]
 
@@ -101,8 +100,9 @@ class DeadLetter:
 class DeadLetters:
     """Operations on the dead-letter queues of every subscription in a namespace."""
 
-    def __init__(self, broker: RedisBroker) -> None:
+    def __init__(self, broker: Broker) -> None:
         self.broker = broker
+        self.admin = as_dead_letter_admin(broker)
 
     async def _views(self, group: str | None = None, destination: str | None = None) -> list[GroupPartition]:
         views = []
@@ -122,14 +122,15 @@ class DeadLetters:
             raise ValueError(f"limit must be at least 1, got {limit!r}")
         out: list[DeadLetter] = []
         for view in await self._views(group, destination):
-            for entry_id, fields in await self.broker.dead_letter_entries(view, limit):
+            for entry_id, fields in await self.admin.dead_letter_entries(view, limit):
                 out.append(DeadLetter.from_entry(view, entry_id, fields))
         out.sort(key=lambda d: d.dead_at or datetime.min.replace(tzinfo=UTC))
         return out[:limit] if limit is not None else out
 
     async def count(self, *, group: str | None = None, destination: str | None = None) -> int:
         """How many dead letters match."""
-        return sum([await dead_letter_count(self.broker, view) for view in await self._views(group, destination)])
+        inspect = as_introspection(self.broker)
+        return sum([await inspect.dead_letter_count(view) for view in await self._views(group, destination)])
 
     async def get(self, ident: str) -> DeadLetter:
         """The dead letter with this ref or message id; KeyError if none, ValueError if ambiguous."""
@@ -189,7 +190,7 @@ class DeadLetters:
         for done, d in enumerate(letters, start=1):
             spec = await self.broker.get_destination(d.destination)
             view = self.broker.group_partition(spec, d.partition, d.group) if spec is not None else None
-            if view is not None and await self.broker.redrive(view, d.entry_id) is not None:
+            if view is not None and await self.admin.redrive(view, d.entry_id) is not None:
                 moved += 1
                 if rate:
                     await anyio.sleep(1 / rate)
@@ -211,5 +212,5 @@ class DeadLetters:
             spec = await self.broker.get_destination(d.destination)
             if spec is not None:
                 view = self.broker.group_partition(spec, d.partition, d.group)
-                removed += await self.broker.purge_dead_letters(view, [d.entry_id])
+                removed += await self.admin.purge_dead_letters(view, [d.entry_id])
         return removed

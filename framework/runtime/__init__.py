@@ -26,9 +26,8 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from broker import DestinationSpec, connect, redact
-from broker.redis import RedisBroker
-from broker.redis.inspect import group_state
+from broker import Broker, DestinationSpec, connect, redact
+from broker.capabilities import SCHEDULING, as_introspection
 from framework._messages import Outgoing
 from framework.group_commit import GroupCommits
 from framework.logs import get_logger
@@ -37,6 +36,7 @@ from framework.observability import hooks
 from framework.runtime.consumer import Consumer
 from framework.runtime.identity import ConsumerIdentity
 from framework.runtime.lanes import LanePool
+from framework.runtime.requirements import check_requirements
 from framework.runtime.scheduler import Scheduler
 from framework.runtime.supervisor import is_connection_error
 from framework.runtime.wiring import Wiring
@@ -55,7 +55,7 @@ class Runtime:
         self,
         services: Sequence[Service],
         *,
-        broker: RedisBroker | None = None,
+        broker: Broker | None = None,
         url: str | None = None,
         namespace: str | None = None,
         settings: RuntimeSettings | None = None,
@@ -93,7 +93,7 @@ class Runtime:
         self.relay: Any = None
 
     @property
-    def broker(self) -> RedisBroker:
+    def broker(self) -> Broker:
         """The connected broker (available once :meth:`run` has started)."""
         if self._broker is None:
             raise RuntimeError("the runtime has not started")
@@ -111,6 +111,7 @@ class Runtime:
         try:
             self.lanes = LanePool(self.settings.concurrency)
             self.thread_limiter = anyio.CapacityLimiter(self.settings.concurrency)
+            check_requirements(self.broker, self.services, self.settings)
             await self._check_orphan_subscriptions()
             self.consumers = []
             for service in self.services:
@@ -164,7 +165,8 @@ class Runtime:
         assert self._stop is not None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.lanes.run)
-            tg.start_soon(Scheduler(self.broker, self.services).run)  # scheduled messages, recurring jobs
+            if SCHEDULING in self.broker.capabilities:  # scheduled messages, recurring jobs
+                tg.start_soon(Scheduler(self.broker, self.services).run)
             for consumer in self.consumers:
                 tg.start_soon(consumer.run)
             if hooks.METRICS:  # lag, pending and dead letters, read every few seconds
@@ -292,9 +294,10 @@ class Runtime:
         """True when nothing is in flight here and every group of ours has nothing left to deliver."""
         if self.lanes.busy or self.in_flight:
             return False
+        inspect = as_introspection(self.broker)
         for consumer in self.consumers:
             for view in consumer.views:  # every partition, owned here or not
-                g = await group_state(self.broker, view)
+                g = await inspect.group_state(view)
                 if not g.idle or (include_delayed and g.delayed):
                     return False
         return True

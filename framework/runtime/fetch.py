@@ -51,7 +51,7 @@ class Fetcher:
 
     async def take_over(self, ledger: Ledger) -> None:
         """Claim and admit every entry pending in an owned partition, oldest first (a tenure's start)."""
-        broker = self.wiring.broker
+        ownership = self.wiring.ownership_store
         consumer = self.wiring.consumer_name
         prefetch = self.wiring.settings.prefetch
         lease = ledger.lease
@@ -63,7 +63,7 @@ class Fetcher:
             if ledger.in_flight > prefetch:
                 await ledger.wait_for_capacity(prefetch)
             try:
-                deliveries = await broker.take_over(ledger.view, consumer, prefetch, cursors, token=token)
+                deliveries = await ownership.take_over(ledger.view, consumer, prefetch, cursors, token=token)
             except LeaseLost:
                 lease.lose("its take-over was refused: another instance holds the partition's lease")
                 return
@@ -73,7 +73,7 @@ class Fetcher:
                 total += len(fresh)
                 with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                     await self.admission.admit(ledger, fresh)
-            if broker.taken_over(cursors):
+            if ownership.taken_over(cursors):
                 break
         ledger.taken_over = True  # the claimer may run now: it never overtakes the take-over's order
         if total:

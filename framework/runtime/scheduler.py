@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import anyio
 
-from broker import now_ms
-from broker.redis import RedisBroker
+from broker import Broker, now_ms
+from broker.capabilities import as_scheduler
 from framework.logs import get_logger
 from framework.scheduling import Job
 from framework.service import Service
@@ -40,9 +40,10 @@ class Scheduler:
     """The mover of scheduled messages and the tickers of recurring jobs, for one runtime."""
 
     def __init__(
-        self, broker: RedisBroker, services: Sequence[Service], *, interval: float = 0.2, limit: int = 1000
+        self, broker: Broker, services: Sequence[Service], *, interval: float = 0.2, limit: int = 1000
     ) -> None:
         self.broker = broker
+        self.scheduler = as_scheduler(broker)
         self.jobs: list[Job] = [job for s in services for job in getattr(s, "jobs", ())]
         self.interval = interval
         self.limit = limit
@@ -65,7 +66,7 @@ class Scheduler:
                 sweep = time.monotonic() >= sweep_at
                 if sweep:
                     sweep_at = time.monotonic() + _SWEEP_EVERY
-                result = await self.broker.move_scheduled(now_ms(), limit=self.limit, sweep=sweep)
+                result = await self.scheduler.move_scheduled(now_ms(), limit=self.limit, sweep=sweep)
             except Exception as exc:
                 if not failing:
                     log.warning("could not move scheduled messages; retrying", error=str(exc))
@@ -90,7 +91,7 @@ class Scheduler:
             now = now_ms()
             tick = job.last_tick(now)
             try:
-                outcome = await self.broker.fire_tick(job.queue, tick, job.tick_envelope(tick))
+                outcome = await self.scheduler.fire_tick(job.queue, tick, job.tick_envelope(tick))
             except Exception as exc:
                 if not failing:
                     log.warning("could not fire a recurring job's tick; retrying", job=job.label, error=str(exc))

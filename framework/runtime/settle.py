@@ -146,7 +146,7 @@ class Settlement:
         if lease is not None and lease.lost:  # the tenure is over: its next one runs the message again
             ledger.forget([d])
             return Outcome("duplicate", attempt, reason="lost ownership of the partition: not settled here")
-        broker = self.broker
+        broker = self.wiring.redis_store
         staged = ctx.outgoing
         outgoing = [env for env, _ in staged]
         # Other slots, or scheduled messages (publish stores those until due): publish first
@@ -157,7 +157,7 @@ class Settlement:
         else:
             for _, spec in staged:
                 if spec is not None:
-                    await broker.ensure_declared(spec)
+                    await self.broker.ensure_declared(spec)
         try:
             applied = await broker.commit_effects(
                 d,

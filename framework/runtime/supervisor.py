@@ -18,10 +18,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.redis.wire import is_closed_transport
+from broker.errors import is_connection_error
 from framework.logs import get_logger
 from framework.runtime import connectivity
 
@@ -31,11 +29,6 @@ log = get_logger("framework.runtime.supervisor")
 
 _STABLE_AFTER = 30.0  # an actor that ran this long before failing restarts with the initial backoff
 _CONNECTION_MAXIMUM = 1.0  # seconds: the longest wait before retrying a lost connection
-
-
-def is_connection_error(exc: BaseException) -> bool:
-    """Whether ``exc`` means the broker connection was lost or timed out (not a bug)."""
-    return isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)) or is_closed_transport(exc)
 
 
 async def supervise(

@@ -24,7 +24,8 @@ import anyio
 import attrs
 
 from broker import LeaseLost, now_ms
-from broker.redis.inspect import InboxMemory, inbox_memory
+from broker.capabilities import INTROSPECTION, as_introspection
+from broker.introspection import InboxMemory
 from framework.runtime.admit import Admission
 from framework.runtime.connectivity import healthy
 from framework.runtime.ledger import Ledger
@@ -142,7 +143,7 @@ class Upkeep:
         for ledger in ledgers:
             await wiring.broker.trim(spec, ledger.partition, now)
             if wiring.handler.inbox:
-                await wiring.broker.trim_inbox(ledger.view, now - int(wiring.settings.inbox_window * 1000))
+                await wiring.inbox_store.trim_inbox(ledger.view, now - int(wiring.settings.inbox_window * 1000))
         if wiring.handler.inbox and not self.budget_warned and time.monotonic() >= self.budget_at:
             self.budget_at = time.monotonic() + _BUDGET_EVERY
             await self.check_inbox_budget(ledgers)
@@ -154,8 +155,11 @@ class Upkeep:
         wiring = self.wiring
         settings = wiring.settings
         total = InboxMemory()
+        if INTROSPECTION not in wiring.broker.capabilities:
+            return total
+        inspect = as_introspection(wiring.broker)
         for ledger in ledgers:
-            total += await inbox_memory(wiring.broker, ledger.view)
+            total += await inspect.inbox_memory(ledger.view)
         total = attrs.evolve(total, window_ms=int(settings.inbox_window * 1000))
         if total.bytes > settings.inbox_memory_budget:
             self.budget_warned = True

@@ -9,12 +9,13 @@ A stage can be built and tested alone from a broker, settings and a handler
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import attrs
 
-from broker.redis import RedisBroker
+from broker import Broker
+from broker.capabilities import InboxStore, PartitionOwnership, RedisStore
 from framework._messages import Outgoing
 from framework.logs import get_logger
 from framework.middleware import Middleware
@@ -41,7 +42,7 @@ class Wiring:
     the admit stage reports messages dropped before any handler runs to it), None when off.
     """
 
-    broker: RedisBroker
+    broker: Broker
     settings: RuntimeSettings
     consumer_name: str
     lanes: LanePool
@@ -60,6 +61,22 @@ class Wiring:
             takes_self=True,
         )
     )
+
+    @property
+    def inbox_store(self) -> InboxStore:
+        """The broker as its inbox store (the runtime checked the capability when it wired the handler)."""
+        return cast(InboxStore, self.broker)
+
+    @property
+    def ownership_store(self) -> PartitionOwnership:
+        """The broker as its partition-ownership capability (checked at wiring when partitions are owned)."""
+        return cast(PartitionOwnership, self.broker)
+
+    @property
+    def redis_store(self) -> RedisStore:
+        """The broker as the Redis data store (only reached by handlers that use ``ctx.redis_transaction()``,
+        which refuses on a transport without it)."""
+        return cast(RedisStore, self.broker)
 
     @property
     def lease_ms(self) -> int:
