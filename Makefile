@@ -37,9 +37,14 @@ test-spark: $(VENV)/.all
 bench: $(VENV)/.all
 	$(BIN)/python -m benchmarks
 
+# ruff; the type checker in strict mode (config: [tool.mypy]); the layer contracts
+# (import-linter, [tool.importlinter]) and no import circle, imports inside functions counted.
 lint: $(VENV)/.all
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+	$(BIN)/python tests/layers.py framework broker spark_bridge example_services
 
 clean:
 	rm -rf $(VENV) .framework .pytest_cache

@@ -19,7 +19,7 @@ its first message. Each capability is a protocol of the methods it adds to :clas
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from broker.envelope import Envelope
 from broker.introspection import Introspection
@@ -250,35 +250,36 @@ def missing(broker: Broker, needed: Iterable[str]) -> list[str]:
 
 def as_inbox(broker: Broker) -> InboxStore:
     """``broker`` as an :class:`InboxStore`; ``TypeError`` naming the transport when it has none."""
-    return _narrow(broker, INBOX, InboxStore)
+    return cast("InboxStore", _narrow(broker, INBOX))
 
 
 def as_introspection(broker: Broker) -> Introspection:
     """``broker`` as an :class:`~broker.introspection.Introspection`; ``TypeError`` when it has none."""
-    return _narrow(broker, INTROSPECTION, Introspection)
+    return cast("Introspection", _narrow(broker, INTROSPECTION))
 
 
 def as_ownership(broker: Broker) -> PartitionOwnership:
     """``broker`` as a :class:`PartitionOwnership`; ``TypeError`` when it has none."""
-    return _narrow(broker, OWNERSHIP, PartitionOwnership)
+    return cast("PartitionOwnership", _narrow(broker, OWNERSHIP))
 
 
 def as_scheduler(broker: Broker) -> Scheduler:
     """``broker`` as a :class:`Scheduler`; ``TypeError`` when it has none."""
-    return _narrow(broker, SCHEDULING, Scheduler)
+    return cast("Scheduler", _narrow(broker, SCHEDULING))
 
 
 def as_dead_letter_admin(broker: Broker) -> DeadLetterAdmin:
     """``broker`` as a :class:`DeadLetterAdmin`; ``TypeError`` when it has none."""
-    return _narrow(broker, DEAD_LETTER_ADMIN, DeadLetterAdmin)
+    return cast("DeadLetterAdmin", _narrow(broker, DEAD_LETTER_ADMIN))
 
 
 def as_redis(broker: Broker) -> RedisStore:
     """``broker`` as a :class:`RedisStore`; ``TypeError`` when it has none."""
-    return _narrow(broker, REDIS, RedisStore)
+    return cast("RedisStore", _narrow(broker, REDIS))
 
 
-def _narrow(broker: Broker, name: str, proto: Any) -> Any:
+def _narrow(broker: Broker, name: str) -> Broker:
+    """``broker`` itself, once it is known to declare capability ``name`` (callers cast it to its protocol)."""
     if name not in broker.capabilities:
         raise TypeError(f"the {broker.transport} transport has no {name!r} capability")
     return broker

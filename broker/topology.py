@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from typing import Any
 
 import attrs
 
@@ -72,4 +73,5 @@ class DestinationSpec:
     def from_json(cls, data: dict[str, object]) -> DestinationSpec:
         """Inverse of :meth:`to_json`; unknown fields (from newer versions) are ignored."""
         fields = {f.name for f in attrs.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in fields})  # type: ignore[arg-type]
+        known: dict[str, Any] = {k: v for k, v in data.items() if k in fields}  # as to_json wrote them
+        return cls(**known)

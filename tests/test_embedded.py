@@ -12,7 +12,7 @@ from broker.redis import EmbeddedServer
 
 
 def _ensure_in_subprocess(data_dir: Path) -> str:
-    code = f"from broker import EmbeddedServer; print(EmbeddedServer({str(data_dir)!r}).ensure_running())"
+    code = f"from broker.redis import EmbeddedServer; print(EmbeddedServer({str(data_dir)!r}).ensure_running())"
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout.strip()

@@ -46,13 +46,13 @@ async def record(broker: RedisBroker, view: GroupPartition, ids: list[str]) -> N
     for i in range(0, len(ids), 1000):
         chunk = ids[i : i + 1000]
         args = [view.group, "0", now_ms(), 1, len(chunk), 0, "0-1", *chunk, inbox_records(chunk), 0]
-        await broker.redis.scripts["ack"](broker.redis, [view.stream, view.keys.inbox, view.keys.attempts], args)
+        await broker.scripts["ack"](broker.redis, [view.stream, view.keys.inbox, view.keys.attempts], args)
 
 
 async def claim(broker: RedisBroker, view: GroupPartition, ids: list[str], *, window_ms: int = 0) -> list[int]:
     """inbox_claim.lua on message ids alone (first deliveries)."""
     args = [now_ms(), 60_000, len(ids), window_ms, len(ids), *ids, inbox_records(ids)]
-    return [int(x) for x in await broker.redis.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args)]
+    return [int(x) for x in await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args)]
 
 
 async def bucket_keys(broker: RedisBroker, view: GroupPartition) -> list[bytes]:

@@ -90,7 +90,7 @@ async def test_scripts_take_batches_beyond_luas_unpack_limit(broker: RedisBroker
     assert await broker.redis.zcard(view.keys.inbox) == total
     await anyio.sleep(1.0)
     args = ["g", "a", 1, total, *(d.entry_id for d in held), *(d.message_id for d in held)]
-    reply = await broker.redis.scripts["extend"](broker.redis, [view.stream, view.keys.inbox], args)  # one call, all
+    reply = await broker.scripts["extend"](broker.redis, [view.stream, view.keys.inbox], args)  # one call, all
     assert set(reply) == {0}
     idle = await idle_times(broker, view.stream, "g")
     assert len(idle) == total and max(idle) < 700, max(idle)  # all touched, in one call

@@ -24,7 +24,7 @@ class RedisPermissionDenied(PermissionDenied, NoPermissionError):
 _SCRIPT_ACL = ("The user executing the script can't", "ACL failure in script")  # Redis 7, Valkey
 
 
-class _ScriptErrors(dict):  # type: ignore[type-arg]
+class _ScriptErrors(dict[str, Any]):
     """ERR replies by message; a script's ACL refusal becomes a :class:`PermissionDenied`."""
 
     permission: Any = None

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import attrs
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
 from broker.codec import max_body_bytes as max_body_bytes_setting
@@ -15,7 +16,10 @@ from broker.redis.scripts import Script, load_scripts
 from broker.redis.wire import DEFAULT_COMMAND_TIMEOUT, Channel
 from broker.topology import DestinationSpec
 
-__all__ = ["ScriptCall", "RedisCore", "text"]
+if TYPE_CHECKING:
+    from broker.protocol import GroupPartition
+
+__all__ = ["LeaseState", "ScriptCall", "RedisCore", "text"]
 
 # Parse these replies ourselves: redis-py's dict building costs about 30% of a read.
 _RAW = ("XREADGROUP", "XAUTOCLAIM", "XCLAIM", "XPENDING", "XINFO GROUPS", "XINFO STREAM", "XRANGE", "XREVRANGE")
@@ -31,6 +35,22 @@ def _raw(response: Any, **_: Any) -> Any:
 def text(value: Any) -> str:
     """A reply value as ``str`` (replies are bytes; RESP3 maps and tests may give ``str``)."""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@attrs.frozen
+class LeaseState:
+    """A partition's lease as stored: ``owner`` is '' when nobody holds it (never acquired, released)."""
+
+    owner: str
+    token: int
+    until_ms: int
+    since_ms: int
+    now_ms: int  # the server's clock when read
+
+    @property
+    def live(self) -> bool:
+        """Whether an instance holds the lease now."""
+        return bool(self.owner) and self.until_ms > self.now_ms
 
 
 class RedisCore:
@@ -72,6 +92,14 @@ class RedisCore:
         for command in _RAW:
             client.set_response_callback(command, _raw)
 
+    if TYPE_CHECKING:
+        # Methods a role calls on a sibling it does not inherit from: defined by that role, declared
+        # here for the type checker (the caller imports no sibling).
+
+        async def lease_state(self, source: GroupPartition) -> LeaseState:
+            """:meth:`broker.redis.leases.Leases.lease_state` (``inspect.py`` reads it)."""
+            ...
+
     @property
     def namespace(self) -> str:
         """Key prefix separating deployments (and test runs) on one server."""
@@ -111,9 +139,12 @@ class RedisCore:
         key that is not a hash), in one script call; on a Cluster the keys must share a hash tag."""
         if not keys:
             return []
+        rows: list[list[bytes | None] | None]  # the script's reply
         if channel is not None:
-            return await self.scripts["read_hashes"].on(channel, keys, fields)  # type: ignore[no-any-return]
-        return (await self._run_pipeline([("read_hashes", list(keys), list(fields))]))[0]  # type: ignore[no-any-return]
+            rows = await self.scripts["read_hashes"].on(channel, keys, fields)
+        else:
+            rows = (await self._run_pipeline([("read_hashes", list(keys), list(fields))]))[0]
+        return rows
 
     def _partition_keys(self, name: str, partition: int) -> PartitionKeys:
         keys = self._pkeys.get((name, partition))

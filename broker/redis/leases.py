@@ -12,29 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import attrs
-
 from broker.protocol import Delivery, GroupPartition
-from broker.redis.core import ScriptCall, text
+from broker.redis.core import LeaseState, ScriptCall, text
 from broker.redis.reading import Reading
 
 __all__ = ["LeaseState", "Leases"]
-
-
-@attrs.frozen
-class LeaseState:
-    """A partition's lease as stored: ``owner`` is '' when nobody holds it (never acquired, released)."""
-
-    owner: str
-    token: int
-    until_ms: int
-    since_ms: int
-    now_ms: int  # the server's clock when read
-
-    @property
-    def live(self) -> bool:
-        """Whether an instance holds the lease now."""
-        return bool(self.owner) and self.until_ms > self.now_ms
 
 
 class Leases(Reading):

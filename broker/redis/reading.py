@@ -380,9 +380,12 @@ class Reading(RedisCore):
         if not again:  # the common case: one list, statuses in order
             ids = [d.message_id for d in deliveries]
             args = [now_ms(), lease_ms, len(ids), window_ms, len(ids), *ids, inbox_records(ids)]
+            statuses: list[int]  # the script's reply
             if channel is not None:
-                return await script.on(channel, keys, args)  # type: ignore[no-any-return]
-            return await script(self.redis, keys, args)  # type: ignore[no-any-return]
+                statuses = await script.on(channel, keys, args)
+            else:
+                statuses = await script(self.redis, keys, args)
+            return statuses
         first = [d for d in deliveries if d.delivery_count == 1]
         ids = [*(d.message_id for d in first), *(d.message_id for d in again)]
         args = [now_ms(), lease_ms, len(first), window_ms, len(ids), *ids, inbox_records(ids)]

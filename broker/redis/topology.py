@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import orjson
 from redis.exceptions import ResponseError
 
@@ -95,7 +97,7 @@ class Topology(RedisCore):
     async def list_subscriptions(self) -> list[tuple[str, str]]:
         """Every (destination, group) pair that has subscribed, sorted."""
         raw = await self.redis.hkeys(self.keyspace.subscriptions)
-        return sorted(tuple(text(k).split("|", 1)) for k in raw)
+        return cast("list[tuple[str, str]]", sorted(tuple(text(k).split("|", 1)) for k in raw))
 
     def group_partition(self, spec: DestinationSpec, partition: int, group: str) -> GroupPartition:
         """The view of ``group`` on one partition (no server call)."""

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from framework import Context, RetryPolicy, Service, Topic, enable_metrics, enable_tracing, outbox  # noqa: E402
-from framework.logs import configure_logging  # noqa: E402
+from framework.logconfig import configure_logging  # noqa: E402
 from framework.runtime import Runtime  # noqa: E402
 from framework.settings import RuntimeSettings  # noqa: E402
 from framework.testing import embedded_server, unique_namespace  # noqa: E402

@@ -1,0 +1,97 @@
+"""Checks of the inbox: leases while a handler runs, duplicates recognised once the ack recorded them."""
+
+from __future__ import annotations
+
+import anyio
+
+from broker.capabilities import as_inbox
+from broker.conformance.features import BrokerFactory, Features
+from broker.conformance.registry import check
+from broker.conformance.support import Names, command, one_broker
+from broker.envelope import now_ms
+from broker.protocol import Delivery
+from broker.topology import DestinationSpec
+
+__all__: list[str] = []
+
+RUN, DUPLICATE, ELSEWHERE = 0, 1, 2  # inbox_claim's statuses
+
+
+@check(requires=("inbox",))
+async def check_inbox_claim_leases_new_ids_and_reports_duplicates(make: BrokerFactory, features: Features) -> None:
+    """``inbox_claim``: a new id is leased (0), a copy of a running one left (2) unless redelivered (0: the
+    lease is taken over), a copy of one acked with ``inbox=True`` is a duplicate (1)."""
+    names = Names()
+    async with one_broker(make) as broker:
+        inbox = as_inbox(broker)
+        spec = await broker.declare(DestinationSpec(names("billing.refund"), "command"))
+        [view] = await broker.subscribe(spec, "billing")
+        original, copy = command(spec.name, 1), command(spec.name, 1)
+        copy.id = original.id  # a re-published copy: another entry, the same message id
+        await broker.publish([original, copy])
+        first, second = await broker.read(view, "a", 10, 10)
+        assert await inbox.inbox_claim(view, [first], 60_000) == [RUN], "a new id is leased to the caller"
+        assert await inbox.inbox_claim(view, [second], 60_000) == [ELSEWHERE], "a running id is leased elsewhere"
+        second.delivery_count = 2
+        assert await inbox.inbox_claim(view, [second], 60_000) == [RUN], "a redelivery takes the lease over"
+        assert await broker.ack(view, [first], inbox=True) == 1
+        assert await inbox.inbox_claim(view, [second], 60_000) == [DUPLICATE], "a processed id is a duplicate"
+
+
+@check(requires=("inbox",))
+async def check_inbox_leases_expire_and_extend_prolongs_them(make: BrokerFactory, features: Features) -> None:
+    """An inbox lease ends after ``lease_ms`` (a copy is then leased again); ``extend`` prolongs it."""
+    names = Names()
+    async with one_broker(make) as broker:
+        inbox = as_inbox(broker)
+        spec = await broker.declare(DestinationSpec(names("billing.refund"), "command"))
+        [view] = await broker.subscribe(spec, "billing")
+        sent = [command(spec.name, i) for i in range(2)]
+        copies = [command(spec.name, i) for i in range(2)]
+        for env, copy in zip(sent, copies, strict=True):
+            copy.id = env.id
+        await broker.publish(sent)
+        short, extended = await broker.read(view, "a", 10, 10)
+        assert await inbox.inbox_claim(view, [short, extended], 100) == [RUN, RUN]
+        await broker.extend(view, "a", [extended], lease_ms=60_000)
+        await anyio.sleep(0.2)
+        await broker.publish(copies)
+        copy_short, copy_extended = await broker.read(view, "b", 10, 10)
+        assert await inbox.inbox_claim(view, [copy_short], 60_000) == [RUN], "an expired lease still holds its id"
+        assert await inbox.inbox_claim(view, [copy_extended], 60_000) == [ELSEWHERE], "extend did not prolong it"
+
+
+@check(requires=("inbox",))
+async def check_a_batch_claims_each_id_once(make: BrokerFactory, features: Features) -> None:
+    """Two copies of one id in one ``inbox_claim`` batch: the first runs, the second is left (2)."""
+    names = Names()
+    async with one_broker(make) as broker:
+        inbox = as_inbox(broker)
+        spec = await broker.declare(DestinationSpec(names("billing.refund"), "command"))
+        [view] = await broker.subscribe(spec, "billing")
+        other, original, copy = command(spec.name, 0), command(spec.name, 1), command(spec.name, 1)
+        copy.id = original.id
+        await broker.publish([other, original, copy])
+        batch: list[Delivery] = await broker.read(view, "a", 10, 10)
+        assert await inbox.inbox_claim(view, batch, 60_000) == [RUN, RUN, ELSEWHERE]
+
+
+@check(requires=("inbox",))
+async def check_trim_inbox_keeps_records_inside_the_window(make: BrokerFactory, features: Features) -> None:
+    """``trim_inbox`` forgets only what was recorded before ``older_than_ms``: a recent duplicate stays one."""
+    names = Names()
+    async with one_broker(make) as broker:
+        inbox = as_inbox(broker)
+        spec = await broker.declare(DestinationSpec(names("billing.refund"), "command"))
+        [view] = await broker.subscribe(spec, "billing")
+        original, copy = command(spec.name, 1), command(spec.name, 1)
+        copy.id = original.id
+        await broker.publish([original])
+        [d] = await broker.read(view, "a", 10, 10)
+        assert await inbox.inbox_claim(view, [d], 60_000) == [RUN]
+        assert await broker.ack(view, [d], inbox=True) == 1
+        trimmed = await inbox.trim_inbox(view, now_ms() - 60_000)
+        assert trimmed >= 0, f"trim_inbox returned {trimmed}"
+        await broker.publish([copy])
+        [again] = await broker.read(view, "a", 10, 10)
+        assert await inbox.inbox_claim(view, [again], 60_000) == [DUPLICATE], "trim_inbox forgot a recent record"
