@@ -3,10 +3,12 @@
 Imports inside functions and under ``TYPE_CHECKING`` count as much as module-level ones: a circle
 held open by a deferred import is still a circle (it only moves the failure from import time to
 run time). ``from package import name`` counts as importing the package's ``__init__`` and, when
-``name`` is a module, that module; a module importing one of its own parent packages is not counted
-(a package's ``__init__`` re-exporting its children is not a circle of design). Run: ``python tests/layers.py framework broker spark_bridge``;
-exit status 1 and one line per circle when there is any. The one-way rules between packages
-(``example_services -> framework -> broker``) are import-linter contracts in pyproject.toml.
+``name`` is a module, that module; a module importing one of its own parent packages is not
+counted (a package's ``__init__`` re-exporting its children is not a circle of design).
+
+Run: ``python tests/layers.py framework broker spark_bridge``; exit status 1 and one line per
+circle when there is any. The one-way rules between packages (``example_services -> framework ->
+broker``) are import-linter contracts in pyproject.toml.
 """
 
 from __future__ import annotations
