@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from broker import Envelope, connect
 from broker.redis import EmbeddedServer
 from framework import outbox
-from framework.logs import configure_logging
+from framework.logconfig import configure_logging
 from framework.sql import redact_url
 from framework.testing import embedded_postgres, temporary_database
 

@@ -17,6 +17,18 @@ commit with your rows), :mod:`framework.sql` (engines for the outbox and SQL eff
 :mod:`framework.testing` (run services against a real server until idle) and
 :mod:`framework.observability` (traces, metrics, log context). Every other module is
 internal and may change without notice.
+
+Layers: a module imports only from its own layer or the layers below it, and no import forms a
+circle, counting imports inside functions and under ``TYPE_CHECKING`` (``tests/layers.py``).
+From the bottom: leaf helpers (``_payloads``, ``retries``, ``settings``, ``sql``, ``logs``,
+``handlers`` with Queue/Topic/Handler, ``outcomes``, ``_messages``, ``scheduling``, the outbox
+tables in ``outbox.schema``) -> ``observability`` (tracing, metrics, the consumer's observer,
+the ``hooks`` switches, log context) and ``logconfig`` -> the database ``outbox`` and its relay
+-> handler effects (``group_commit``, ``effects``) -> the handler ``context`` and ``middleware``
+-> ``saga`` -> ``service`` -> ``client``, ``inbox``, ``dead_letters`` and the actor ``runtime``
+-> ``testing``, ``cli`` and this module. A lower module that needs a higher one's object gets it
+passed in, typed by a small Protocol of its own (``_sql_block.SqlRun`` for the context,
+``saga.steps.SagaService`` for the service, ``runtime.ownership.PartitionRunner`` for the consumer).
 """
 
 from broker import BrokerUnavailable, ConfigurationError, Envelope, MessageTooLarge

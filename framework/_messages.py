@@ -12,7 +12,7 @@ from typing import Any
 from broker import COMMAND, EVENT, DestinationSpec, Envelope, Kind, new_id
 from broker.headers import CONTENT_TYPE, IDEMPOTENCY_KEY
 from framework._payloads import RAW_CONTENT_TYPE, encode_payload, type_name
-from framework.service import Queue, Topic
+from framework.handlers import Queue, Topic
 
 __all__ = ["Outgoing", "build_envelope"]
 

@@ -43,7 +43,9 @@ def _strict(tp: type, accepts: tuple[type, ...], rejects: tuple[type, ...] = ())
     """Refuse silent coercion (cattrs would turn 5 into "5"): a payments payload must be exact."""
 
     def hook(value: Any, _: Any) -> Any:
-        if isinstance(value, accepts) and not isinstance(value, rejects):
+        # tested apart so that ``value`` stays Any for float() (isinstance in the if would narrow it to object)
+        exact = isinstance(value, accepts) and not isinstance(value, rejects)
+        if exact:
             return value if tp is not float else float(value)
         raise ValueError(f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
 

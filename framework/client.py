@@ -16,6 +16,7 @@ from typing import Any
 import anyio.from_thread
 
 from broker import COMMAND, EVENT, Broker, Envelope, connect
+from broker.capabilities import as_scheduler
 from broker.codec import check_body_size
 from broker.codec import max_body_bytes as max_body_setting
 from framework._messages import Outgoing, build_envelope
@@ -214,13 +215,13 @@ class Client:
     async def cancel_scheduled(self, message_id: str, *, destination: str | None = None) -> bool:
         """Cancel a message scheduled with ``delay``/``at``; False when it is no longer scheduled."""
         broker = await self.connect()
-        return bool(await broker.cancel_scheduled([message_id], destination=destination))
+        return bool(await as_scheduler(broker).cancel_scheduled([message_id], destination=destination))
 
     async def scheduled(self, *, destination: str | None = None, limit: int = 100) -> list[Any]:
         """Messages waiting for their due time, earliest first
         (:class:`~broker.redis.scheduling.ScheduledMessage`)."""
         broker = await self.connect()
-        return list(await broker.scheduled_messages(destination=destination, limit=limit))
+        return list(await as_scheduler(broker).scheduled_messages(destination=destination, limit=limit))
 
     async def publish_envelopes(self, envelopes: Iterable[Envelope]) -> list[str | None]:
         """Publish prepared envelopes as they are (the outbox relay and tools use this)."""

@@ -12,10 +12,10 @@ from broker.codec import check_body_size
 from broker.headers import CAUSATION_ID, CORRELATION_ID
 from framework._messages import Outgoing, build_envelope
 from framework.effects import RedisEffects, sql_transaction
+from framework.handlers import Handler, Queue, Topic
 from framework.logs import get_logger
 from framework.observability import hooks
 from framework.scheduling import with_due
-from framework.service import Handler, Queue, Topic
 
 __all__ = ["Context"]
 

@@ -22,16 +22,14 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from framework._sql_block import AlreadyProcessed
+
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-    from framework.context import Context
+    from framework._sql_block import SqlRun
 
 __all__ = ["AlreadyProcessed", "RedisEffects", "sql_transaction"]
-
-
-class AlreadyProcessed(Exception):
-    """The message was processed before (found in the inbox): the runtime acks it, no retry."""
 
 
 class RedisEffects:
@@ -74,7 +72,7 @@ class RedisEffects:
         return lambda *args, keys=None: self.call(name.upper(), *args, keys=keys)
 
 
-def sql_transaction(ctx: Context, engine: AsyncEngine) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+def sql_transaction(ctx: SqlRun, engine: AsyncEngine) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
     """See :meth:`framework.Context.sql_transaction`.
 
     In a running worker on PostgreSQL the block is a member of a group commit
@@ -90,7 +88,7 @@ def sql_transaction(ctx: Context, engine: AsyncEngine) -> contextlib.AbstractAsy
 
 
 @contextlib.asynccontextmanager
-async def _own_transaction(ctx: Context, engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+async def _own_transaction(ctx: SqlRun, engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
     """One transaction for the block: the inbox row first, the staged messages last."""
     from framework import outbox
 

@@ -47,7 +47,7 @@ async def check_inbox(
     caller's own connection, if it has one.
     """
     try:
-        statuses = await wiring.broker.inbox_claim(
+        statuses = await wiring.inbox_store.inbox_claim(
             ledger.view,
             deliveries,
             wiring.lease_ms,

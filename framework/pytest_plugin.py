@@ -26,7 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Give tests plain, fast console logs unless the application configured structlog itself."""
     import structlog
 
-    from framework.logs import configure_logging
+    from framework.logconfig import configure_logging
 
     if not structlog.is_configured():
         configure_logging(fmt="console")

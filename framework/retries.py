@@ -18,7 +18,8 @@ cancelled and fails with :class:`HandlerTimeout`, retried through the retry path
 from __future__ import annotations
 
 import random
-from typing import Literal
+from collections.abc import Iterable
+from typing import Literal, cast
 
 import attrs
 
@@ -53,13 +54,14 @@ class Decision:
 
 
 def _exception_types(value: object) -> tuple[type[BaseException], ...]:
-    if isinstance(value, type):
-        value = (value,)
-    types = tuple(value)  # type: ignore[arg-type]
-    for t in types:
+    # anything not iterable raises TypeError from tuple(), as a wrong element does below
+    items: tuple[object, ...] = (value,) if isinstance(value, type) else tuple(cast("Iterable[object]", value))
+    types: list[type[BaseException]] = []
+    for t in items:
         if not (isinstance(t, type) and issubclass(t, BaseException)):
             raise TypeError(f"expected exception types, got {t!r}")
-    return types
+        types.append(t)
+    return tuple(types)
 
 
 @attrs.frozen

@@ -8,35 +8,25 @@ Handler signatures are checked when declared, so a mistake fails at import with 
 
 from __future__ import annotations
 
-import functools
-import inspect
-import typing
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-import attrs
-
-from broker import COMMAND, DEFAULT_RETENTION_MS, EVENT, DestinationSpec, Start, validate_name
+from broker import Start, validate_name
 from framework._payloads import decoder_for
+from framework.handlers import DEFAULT_TIMEOUT, Handler, HandlerError, Queue, Topic, _inspect
 from framework.retries import DEFAULT_RETRY, RetryPolicy
+from framework.saga import Saga
+from framework.saga.policy import DEFAULT_KEEP_COMPLETED
+from framework.scheduling import Job, ScheduleError
 
 if TYPE_CHECKING:
     from broker import Broker, Delivery
     from framework.middleware import Middleware
-    from framework.saga import Saga
-    from framework.scheduling import Job
 
 __all__ = ["Handler", "HandlerError", "Queue", "Service", "Topic"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-DEFAULT_TIMEOUT = 300.0
-"""Seconds a handler may run before it is cancelled and retried (``Service(timeout=...)``)."""
-
-
-class HandlerError(TypeError):
-    """A handler or service is declared wrongly; the message names it and says what to change."""
 
 
 def _seconds(value: timedelta | float | None, where: str) -> float | None:
@@ -47,108 +37,6 @@ def _seconds(value: timedelta | float | None, where: str) -> float | None:
     if seconds <= 0:
         raise HandlerError(f"{where}: timeout must be positive (or None for no limit), got {value!r}")
     return None if seconds == float("inf") else seconds
-
-
-def _ms(value: timedelta | float | None) -> int | None:
-    if value is None:
-        return None
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    return int(seconds * 1000)
-
-
-@functools.lru_cache(maxsize=4096)
-def _spec(name: str, kind: str, partitions: int, retention_ms: int | None, max_length: int | None) -> DestinationSpec:
-    return DestinationSpec(name, kind, partitions, retention_ms, max_length)  # type: ignore[arg-type]
-
-
-@attrs.frozen
-class Queue:
-    """A queue of commands: one stream per partition, one consumer group (its owning service)."""
-
-    name: str
-    partitions: int = 1
-
-    def spec(self) -> DestinationSpec:
-        """The broker-level description."""
-        return _spec(self.name, COMMAND, self.partitions, None, None)
-
-
-@attrs.frozen
-class Topic:
-    """A topic of events: retained for ``retention`` (seconds or timedelta) and/or ``max_length``."""
-
-    name: str
-    partitions: int = 1
-    retention: timedelta | float | None = timedelta(milliseconds=DEFAULT_RETENTION_MS)
-    max_length: int | None = None
-
-    def spec(self) -> DestinationSpec:
-        """The broker-level description."""
-        return _spec(self.name, EVENT, self.partitions, _ms(self.retention), self.max_length)
-
-
-@attrs.define(eq=False)
-class Handler:
-    """A registered handler and everything the runtime needs to call it."""
-
-    service: str
-    name: str
-    destination: Queue | Topic
-    fn: Callable[..., Any]
-    is_async: bool
-    takes_context: bool
-    payload_type: Any
-    decode: Callable[[bytes], Any]
-    key: Callable[[Any], str] | None
-    retry: RetryPolicy
-    start: Start
-    inbox: bool  # the Redis inbox (leases and records ids per group)
-    timeout: float | None = DEFAULT_TIMEOUT  # seconds; None: no limit
-    sql_inbox: bool = False  # inbox="sql": every run's effects and inbox row are in ctx.sql_transaction
-    # Called by the admit stage with each fetched batch's runnable deliveries before they go to the
-    # lanes, with the broker, the partition tenure's fencing token and the fetcher's connection: a
-    # handler reads ahead there what its runs will need, one round trip per batch (a saga's states).
-    # It must not fail the batch (its errors are logged and the runs go on without it).
-    prepare: Callable[[Broker, list[Delivery], int | None, Any], Awaitable[None]] | None = None
-
-    @property
-    def spec(self) -> DestinationSpec:
-        """The destination's broker spec."""
-        return self.destination.spec()
-
-    @functools.cached_property
-    def label(self) -> str:
-        """``service.handler`` for logs and dead letters."""
-        return f"{self.service}.{self.name}"
-
-
-def _inspect(fn: Callable[..., Any], where: str) -> tuple[bool, bool, Any]:
-    if not callable(fn):
-        raise HandlerError(f"{where}: {fn!r} is not callable")
-    target = fn
-    while isinstance(target, functools.partial):
-        target = target.func
-    is_async = inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
-        getattr(target, "__call__", None)  # noqa: B004 - async callable objects
-    )
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError) as exc:
-        raise HandlerError(f"{where}: cannot read its signature ({exc})") from None
-    params = [
-        p
-        for p in sig.parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-    ]
-    extra = [p for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
-    if not 1 <= len(params) <= 2 or extra:
-        raise HandlerError(f"{where}: a handler takes (payload) or (payload, ctx), but its signature is {sig}")
-    try:
-        hints = typing.get_type_hints(fn)
-    except Exception as exc:
-        raise HandlerError(f"{where}: cannot resolve its type hints ({exc})") from None
-    payload_type = hints.get(params[0].name, Any)
-    return is_async, len(params) == 2, payload_type
 
 
 _InboxMode = bool | Literal["sql"]
@@ -297,8 +185,6 @@ class Service:
         ``sql``: keep the state in the ``framework_saga_state`` table of this SQLAlchemy AsyncEngine
         (or a function returning one) instead of Redis; steps then run in ``ctx.sql_transaction``
         and their messages and timeouts leave through the outbox (run a relay)."""
-        from framework.saga import DEFAULT_KEEP_COMPLETED, Saga
-
         keep = DEFAULT_KEEP_COMPLETED if keep_completed is None else keep_completed
         return Saga(
             self, name, state=state, partitions=partitions, retry=retry, timeout=timeout, keep_completed=keep, sql=sql
@@ -311,8 +197,6 @@ class Service:
         timeout: timedelta | float | None,
         **schedule: Any,
     ) -> Callable[[F], F]:
-        from framework.scheduling import Job, ScheduleError
-
         def decorator(fn: F) -> F:
             job_name = name or getattr(fn, "__name__", None) or type(fn).__name__
             queue = f"{self.name}.job.{job_name}"

@@ -76,10 +76,11 @@ def resolve_url(url: str | None = None) -> URL:
 def redact_url(url: str | URL) -> str:
     """The URL as text with any password replaced by ``***`` (and no driver name, for messages)."""
     if isinstance(url, str):
+        text = url
         try:
-            url = make_url(url)
+            url = make_url(text)
         except ArgumentError:
-            return url
+            return text
     return url.set(drivername=url.get_backend_name()).render_as_string(hide_password=True)
 
 

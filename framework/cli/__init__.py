@@ -23,14 +23,14 @@ from typing import Any
 from framework.cli import dead_letters, destinations, outbox, produce, run, schedule, server, status
 from framework.cli.args import log_level
 from framework.cli.common import Parser, run_command
-from framework.logs import configure_logging
+from framework.logconfig import configure_logging
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``framework`` command."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)  # only a parent: its options are copied into each parser
     common.add_argument(
         "--log-level", type=log_level, default=argparse.SUPPRESS, help="debug, info, warning, error (default: info)"
     )
@@ -42,16 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser = Parser(prog="framework", description="Event-driven microservices on Redis Streams.", parents=[common])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    real_add = sub.add_parser
-
-    def add_parser(name: str, **kwargs: Any) -> argparse.ArgumentParser:
-        return real_add(name, parents=[common], **kwargs)
-
-    sub.add_parser = add_parser  # every sub-command accepts the logging options too
+    commands = _Commands(sub, common)  # every sub-command accepts the logging options too
     # the order of `framework --help`
     for group in (run, status, produce, server, dead_letters, destinations, outbox, schedule):
-        group.register(sub)
+        group.register(commands)
     return parser
+
+
+class _Commands:
+    """What the command groups' ``register(sub)`` add their sub-commands to: ``sub.add_parser``
+    with the common options as a parent."""
+
+    def __init__(self, sub: argparse._SubParsersAction[Parser], common: Parser) -> None:
+        self._sub = sub
+        self._common = common
+
+    def add_parser(self, name: str, **kwargs: Any) -> Parser:
+        return self._sub.add_parser(name, parents=[self._common], **kwargs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from broker import connect
-from broker.capabilities import as_introspection
+from broker.capabilities import as_dead_letter_admin, as_introspection
 from broker.introspection import ConsumerSeen, DestinationUsage, GroupUsage
 from framework.cli.args import duration
 from framework.cli.common import UsageError, connection_options
@@ -126,7 +126,7 @@ def unsubscribe(args: argparse.Namespace) -> int:
             summary = f"{holds_text(usage)}; {replay_text(usage)}"
             if not _confirm(args.yes, f"remove group {args.group!r} from {args.destination!r}", summary):
                 return None
-            await broker.unsubscribe(spec, args.group)
+            await as_dead_letter_admin(broker).unsubscribe(spec, args.group)
             return summary
         finally:
             await broker.close()
@@ -160,7 +160,7 @@ def delete(args: argparse.Namespace) -> int:
             summary = f"{usage_text(usage)}, all deleted with its keys and registration"
             if not _confirm(args.yes, action, summary):
                 return None
-            deleted = await broker.delete_destination(spec, force=args.force)
+            deleted = await as_dead_letter_admin(broker).delete_destination(spec, force=args.force)
             return f"deleted {noun} {spec.name!r} ({usage_text(usage)}; {_plural(deleted, 'key')} removed)"
         finally:
             await broker.close()

@@ -130,9 +130,10 @@ def relay_command(args: argparse.Namespace) -> int:
                     max_shards=args.max_shards,
                 )
                 if args.once:
+                    failures: tuple[type[BaseException], ...] = (*transport_errors(), SQLAlchemyError)
                     try:
                         settled = await relay.drain()
-                    except (*transport_errors(), SQLAlchemyError) as exc:
+                    except failures as exc:
                         raise _Fail(
                             f"stopped after publishing {relay.published} message(s): {_one_line(exc)}; "
                             "the next run publishes the rest"

@@ -13,13 +13,14 @@ from typing import Any
 
 import anyio
 
+from broker.envelope import Kind
 from broker.errors import transport_errors
 from framework.cli.common import UsageError, connection_options, json_payload
 
 __all__ = ["register"]
 
 
-def _produce(kind: str) -> Callable[[argparse.Namespace], int]:
+def _produce(kind: Kind) -> Callable[[argparse.Namespace], int]:
     """The command that sends (``kind`` command) or publishes (``kind`` event) one message."""
 
     def run(args: argparse.Namespace) -> int:
@@ -93,7 +94,8 @@ def _seconds(text: str) -> float:
 
 def register(sub: Any) -> None:
     """Add ``send`` (a command to a queue) and ``publish`` (an event to a topic) to the ``framework`` command."""
-    for name, kind, noun in (("send", "command", "queue"), ("publish", "event", "topic")):
+    verbs: tuple[tuple[str, Kind, str], ...] = (("send", "command", "queue"), ("publish", "event", "topic"))
+    for name, kind, noun in verbs:
         p = sub.add_parser(name, help=f"{name} one {kind} (JSON) to a {noun}")
         p.add_argument("destination", metavar=noun.upper())
         p.add_argument("payload", metavar="JSON", help="the body as JSON, or - to read it from stdin, or @FILE")

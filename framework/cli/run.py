@@ -84,7 +84,8 @@ def _import_failure(exc: Exception) -> str:
     skip += [str(_PROJECT_ROOT / package) + os.sep for package in ("framework", "broker")]
     frames = traceback.extract_tb(exc.__traceback__)
     mine = [f for f in frames if not f.filename.startswith("<") and not f.filename.startswith(tuple(skip))]
-    frame = (mine or frames or [None])[-1]
+    innermost = mine or frames
+    frame = innermost[-1] if innermost else None
     where = f" at {_short_path(frame.filename)}:{frame.lineno}" if frame is not None else ""
     return f"{type(exc).__name__}{where}: {exc}"
 

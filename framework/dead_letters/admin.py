@@ -7,6 +7,7 @@ The CLI (``framework dlq ...``) is a thin layer over :class:`DeadLetters`.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
@@ -100,12 +101,14 @@ class DeadLetter:
 class DeadLetters:
     """Operations on the dead-letter queues of every subscription in a namespace."""
 
+    # annotations spell the builtin ``builtins.list``: in this class body ``list`` names the method
+
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self.admin = as_dead_letter_admin(broker)
 
-    async def _views(self, group: str | None = None, destination: str | None = None) -> list[GroupPartition]:
-        views = []
+    async def _views(self, group: str | None = None, destination: str | None = None) -> builtins.list[GroupPartition]:
+        views: builtins.list[GroupPartition] = []
         for dest, grp in await self.broker.list_subscriptions():
             if (group and grp != group) or (destination and dest != destination):
                 continue
@@ -116,11 +119,11 @@ class DeadLetters:
 
     async def list(
         self, *, group: str | None = None, destination: str | None = None, limit: int | None = None
-    ) -> list[DeadLetter]:
+    ) -> builtins.list[DeadLetter]:
         """Dead letters, filtered by group and/or destination, oldest first per partition."""
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit!r}")
-        out: list[DeadLetter] = []
+        out: builtins.list[DeadLetter] = []
         for view in await self._views(group, destination):
             for entry_id, fields in await self.admin.dead_letter_entries(view, limit):
                 out.append(DeadLetter.from_entry(view, entry_id, fields))
@@ -142,10 +145,10 @@ class DeadLetters:
             raise ValueError(f"message id {ident!r} is dead in several groups ({refs}); name one by its ref")
         return matches[0]
 
-    async def _resolve(self, idents: Iterable[str]) -> list[DeadLetter]:
+    async def _resolve(self, idents: Iterable[str]) -> builtins.list[DeadLetter]:
         wanted = set(idents)
         refs = {i for i in wanted if i.count("/") == 3}
-        found = []
+        found: builtins.list[DeadLetter] = []
         for d in await self.list():
             if d.ref in refs or d.message_id in wanted:
                 found.append(d)
@@ -153,7 +156,7 @@ class DeadLetters:
 
     async def _select(
         self, idents: Iterable[str] | None, group: str | None, destination: str | None, everything: bool
-    ) -> list[DeadLetter]:
+    ) -> builtins.list[DeadLetter]:
         idents = list(idents or [])
         if idents:
             found = await self._resolve(idents)

@@ -28,8 +28,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from broker import Delivery
 from broker.headers import CORRELATION_ID
-from framework.middleware import CallNext, InboundMessage, Outcome
-from framework.observability import hooks
+from framework.outcomes import CallNext, InboundMessage, Outcome
 
 __all__ = ["Observer", "Watch"]
 
@@ -70,9 +69,10 @@ class Watch:
 
 
 class Observer:
-    """Traces and times every attempt of one handler (see the module docstring)."""
+    """Traces and times every attempt of one handler (see the module docstring); ``tracing_on``
+    and ``metrics_on``: the switches of :mod:`~framework.observability.hooks` (which creates it)."""
 
-    def __init__(self, handler: Any) -> None:
+    def __init__(self, handler: Any, *, tracing_on: bool, metrics_on: bool) -> None:
         self.handler = handler
         destination = handler.destination.name
         self.span_name = f"process {destination}"
@@ -88,12 +88,12 @@ class Observer:
         self.tracer: Any = None
         self.latency: Any = None  # recorders, when metrics are on
         self.by_outcome: dict[str, Any] = {}
-        if hooks.TRACING:
+        if tracing_on:
             from framework.observability import tracing
 
             self.tracer = tracing.tracer()
             self._tracing = tracing
-        if hooks.METRICS:
+        if metrics_on:
             from framework.observability import metrics
 
             instruments = metrics.instruments()

@@ -52,7 +52,7 @@ def observer(handler: Any) -> Any:
         return None
     from framework.observability.consumer import Observer
 
-    return Observer(handler)
+    return Observer(handler, tracing_on=TRACING, metrics_on=METRICS)
 
 
 async def publish(

@@ -9,7 +9,7 @@ it runs (:func:`enter`), pointing at the lane's slot, which the runtime already 
 :class:`MessageContextFilter` (a ``logging.Filter``) read it only when a line is written.
 A sync handler's worker thread inherits the variable, so its lines carry the context too.
 
-``framework.logs.configure_logging`` (the CLI) installs both; an application with its own
+``framework.logconfig.configure_logging`` (the CLI) installs both; an application with its own
 logging configuration adds ``add_message_context`` to its structlog processors and the filter
 to its handlers.
 

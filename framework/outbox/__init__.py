@@ -36,6 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from broker import COMMAND, EVENT, DestinationSpec, Envelope, Kind, validate_name
 from broker.codec import check_body_size, max_body_bytes
 from framework._messages import Outgoing, build_envelope
+from framework.handlers import Queue, Topic
 from framework.observability import hooks
 from framework.outbox.relay import OutboxRelay
 from framework.outbox.schema import (
@@ -53,7 +54,6 @@ from framework.outbox.schema import (
     shards_table,
 )
 from framework.scheduling import with_due
-from framework.service import Queue, Topic
 from framework.sql import DatabaseUnavailable, create_engine
 
 __all__ = [

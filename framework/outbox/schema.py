@@ -173,7 +173,11 @@ END $$""",
 def _statements(dialect_name: str) -> list[str]:
     if dialect_name not in DIALECTS:
         raise ValueError(f"no outbox DDL for {dialect_name!r}: use one of {', '.join(DIALECTS)}")
-    dialect = postgresql.dialect() if dialect_name == "postgresql" else sqlite.dialect()
+    dialect = (
+        postgresql.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy: PGDialect_psycopg.__init__ unannotated
+        if dialect_name == "postgresql"
+        else sqlite.dialect()
+    )
 
     def sql(construct: Any) -> str:
         return "\n".join(line.rstrip() for line in str(construct.compile(dialect=dialect)).strip().splitlines())

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import anyio.abc
@@ -43,9 +43,9 @@ from framework.runtime.supervisor import is_connection_error
 from framework.runtime.wiring import Wiring
 
 if TYPE_CHECKING:
-    from framework.runtime.consumer import Consumer
+    from framework.runtime.settle import Settlement
 
-__all__ = ["Ownership", "assign"]
+__all__ = ["Ownership", "PartitionRunner", "assign"]
 
 _MARGIN = 0.15  # of lease_ttl: a lease counts as ours locally until its renewal's send time + ttl less this
 _DRAIN_WARN = 10.0  # seconds a hand-back may wait for running handlers before it says so
@@ -77,6 +77,19 @@ def assign(partitions: int, instances: list[str]) -> dict[int, str]:
     return out
 
 
+class PartitionRunner(Protocol):
+    """What ownership needs of its consumer (:class:`~framework.runtime.consumer.Consumer`): the
+    ledgers of the partitions it runs, their settlement, and running one partition's tasks."""
+
+    states: dict[int, Ledger]
+    settle: Settlement
+
+    async def serve(
+        self, ledger: Ledger, intake: anyio.CancelScope | None = None, intake_done: anyio.Event | None = None
+    ) -> None:
+        """Run one partition's tasks until cancelled (``intake``: the scope of those bringing messages in)."""
+
+
 class _Tenure:
     """One partition held by this instance: its ledger and the scopes of its tasks."""
 
@@ -101,7 +114,7 @@ class _Tenure:
 class Ownership:
     """Keeps this instance's share of a consumer's partitions (see the module docstring)."""
 
-    def __init__(self, wiring: Wiring, consumer: Consumer, views: list[GroupPartition]) -> None:
+    def __init__(self, wiring: Wiring, consumer: PartitionRunner, views: list[GroupPartition]) -> None:
         self.wiring = wiring
         self.consumer = consumer
         self.views = {v.partition: v for v in views}

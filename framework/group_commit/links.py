@@ -1,57 +1,9 @@
-"""Group commit: handlers' SQL blocks as members of a shared transaction, committed together.
+"""A group committer's connections ("links") and the shared transactions on them: lend, linger, end.
 
-``ctx.sql_transaction(engine)`` in a running worker (PostgreSQL) goes through a
-:class:`GroupCommitter`, one per engine in the process. It holds up to ``sql_connections``
-connections ("links"). A handler entering the block takes a free link (or waits for one) and runs
-as a *member* of the transaction open on it. Members of one transaction run one after another
-(a block holds its link until it ends), so a member sees the writes of those before it and row
-locks behave as in transactions run one after another.
-
-What a member costs, in round trips to the database:
-
-* nothing of its own in the common case: the *inbox rows* of a transaction's members are written
-  with its ``COMMIT``, in one multi-row ``INSERT`` in the same round trip, and when handlers are
-  waiting for the link the next transaction's ``BEGIN`` goes along too;
-* a *possible duplicate* (``ctx.attempt > 1``: a retry or a redelivery, which an earlier run may
-  have committed) first looks itself up in the inbox table (one round trip): found, it raises
-  :class:`~framework.effects.AlreadyProcessed` and its block does not run;
-* while blocks fail often (more than :data:`SAVEPOINT_ABOVE` of recent blocks, a moving average
-  over about 64), every later member opens a ``SAVEPOINT`` first (one round trip), so a failing
-  block rolls back alone. Below that a failure costs less than savepoints would: see below.
-
-Outcomes stay per message:
-
-* ``async with`` returns only once the member's transaction committed, so the runtime's publish
-  and ack after the handler follow a durable commit, exactly as with one transaction per message;
-* a block that raises is rolled back: to its savepoint when it has one; with the whole
-  transaction when it is alone in it; otherwise the whole transaction is rolled back and the
-  members before it raise :class:`RolledBackWithGroup`, which the runtime answers by running their
-  handler again at once (not a failed attempt, no backoff). With 1% of blocks failing and groups
-  of about 4 that is about 1.5 extra runs per 100 messages, where savepoints would cost a round
-  trip on every message;
-* a member whose message turns out to have been processed already (its inbox row collides at
-  ``COMMIT``: a copy run concurrently, or one a worker committed before it died) rolls the
-  transaction back: that member raises ``AlreadyProcessed``, the others run again;
-* a failed ``COMMIT`` (a lost connection) fails every member with :class:`GroupCommitFailed`: a
-  failed attempt, retried; the retry is a possible duplicate, so it finds its row if the commit
-  had in fact happened. A crash before the commit redelivers every member, and the inbox rows make
-  that safe. A handler that catches these errors still fails: the runtime checks the block's outcome.
-
-When a member finishes, its transaction commits at once unless others can join it soon: while
-handlers wait for a link, or while blocks have been finishing less than ``group_commit_wait``
-apart (a moving average: a steady moderate load), when the link goes back free with its
-transaction open and the next block to start joins it (no ``BEGIN`` of its own); a timer commits
-it ``group_commit_wait`` after its first member finished. At lower rates nothing waits.
-
-The bound on added latency: a finished member waits at most ``group_commit_wait`` plus the rest of
-the block running on its link at that moment (a transaction cannot commit half a block).
-``group_commit_size=1`` is one transaction per message.
-
-The framework's own statements go to the psycopg connection directly (no SQLAlchemy layers);
-the handler's statements go through the SQLAlchemy connection it is given, on the same link.
-Group transactions hold row locks longer than one message's: handlers that update rows in
-different orders can deadlock across links, and PostgreSQL then fails one statement (after its
-``deadlock_timeout``); that handler is retried like any failed attempt.
+:class:`LinkPool` is the part of :class:`~framework.group_commit.GroupCommitter` that owns the
+connections: it hands a link to the next block, decides when the transaction open on it ends,
+and commits (with the members' inbox rows) or rolls it back; the committer runs the members
+(:mod:`framework.group_commit.committer`). See :mod:`framework.group_commit` for the whole.
 """
 
 from __future__ import annotations
@@ -60,43 +12,27 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from framework.effects import AlreadyProcessed
+from framework._sql_block import AlreadyProcessed
 from framework.logs import get_logger
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-    from framework.context import Context
-    from framework.settings import RuntimeSettings
-
-__all__ = ["SAVEPOINT_ABOVE", "GroupCommitFailed", "GroupCommits", "GroupCommitter", "RolledBackWithGroup", "current"]
+__all__ = ["GroupCommitFailed", "LinkPool", "RolledBackWithGroup"]
 
 log = get_logger("framework.group_commit")
 
-_current: ContextVar[GroupCommits | None] = ContextVar("framework_group_commits", default=None)
-
-SAVEPOINT_ABOVE = 0.1
-"""Members open a savepoint first while the moving failure rate of blocks is above this."""
-_DECAY = 1 / 64  # weight of the newest block in the failure rate
-
-
-def current() -> GroupCommits | None:
-    """The running runtime's group committers (None outside a runtime: one transaction per block)."""
-    return _current.get()
-
-
-_INERROR_STATUS = 3  # psycopg.pq.TransactionStatus.INERROR: a statement failed, the transaction cannot commit
 _UNIQUE_VIOLATION = "23505"
 
 
 class GroupCommitFailed(Exception):
     """The shared transaction this handler's block belonged to did not commit (the attempt is retried)."""
+
+    __module__ = "framework.group_commit"  # its public home (and the type name dead letters record)
 
 
 class RolledBackWithGroup(GroupCommitFailed):
@@ -105,6 +41,8 @@ class RolledBackWithGroup(GroupCommitFailed):
     Nothing of the block was kept. The runtime runs the handler again at once; this is not a
     failed attempt.
     """
+
+    __module__ = "framework.group_commit"
 
 
 def _literal(value: str) -> str:
@@ -151,8 +89,8 @@ class _Link:
         return self.group is not None
 
 
-class GroupCommitter:
-    """Group commit on one engine (see the module docstring)."""
+class LinkPool:
+    """A committer's links and the transactions open on them (see the module docstring)."""
 
     def __init__(self, engine: AsyncEngine, *, size: int, wait: float, connections: int) -> None:
         self.engine = engine
@@ -371,146 +309,11 @@ class GroupCommitter:
         raw = link.raw
         return bool(raw.closed or raw.broken)
 
-    # -- members ----------------------------------------------------------------------------------
-
     def _service_literal(self, service: str) -> str:
         literal = self._literals.get(service)
         if literal is None:
             literal = self._literals[service] = _literal(service)
         return literal
-
-    def _opening(self, link: _Link, ctx: Context, service: str, message_id: str) -> str | None:
-        """What a joining member sends before its block runs (None: nothing, the common case)."""
-        parts = []
-        if link.group is None:
-            link.group = _Group()
-            parts.append("BEGIN")
-        elif link.members and self.failure_rate > SAVEPOINT_ABOVE:
-            parts.append("RELEASE SAVEPOINT fw; SAVEPOINT fw" if link.savepoint else "SAVEPOINT fw")
-            link.savepoint = True
-        else:  # an earlier member's savepoint is not this one's: undoing to it would undo that member too
-            link.savepoint = False
-        if ctx.attempt > 1:  # a retry or a redelivery: an earlier run may have committed
-            parts.append(f"SELECT 1 FROM framework_inbox WHERE group_name = {service} AND message_id = {message_id}")
-        return "; ".join(parts) if parts else None
-
-    @contextlib.asynccontextmanager
-    async def transaction(self, ctx: Context) -> AsyncIterator[AsyncConnection]:
-        """One handler's block as a member of the transaction on a link (see the module docstring)."""
-        from framework import outbox
-
-        key = (ctx.service, ctx.message_id)
-        service, message_id = self._service_literal(key[0]), _literal(key[1])  # a bad id fails here, early
-        link = await self._acquire()
-        group = link.group
-        if group is not None and key in group.ids:  # a copy of an earlier member: its outcome decides
-            with anyio.CancelScope(shield=True):
-                await self._release(link)
-            await group.done.wait()
-            self._raise(ctx, group.outcome(key))
-            raise AlreadyProcessed(f"message {key[1]} was already processed by {key[0]}")
-        query = self._opening(link, ctx, service, message_id)
-        group = link.group
-        assert group is not None
-        if query is not None:
-            with anyio.CancelScope(shield=True):  # a link must be released, whatever happens
-                try:
-                    cur = link.cursor
-                    await cur.execute(query)
-                    if ctx.attempt > 1:
-                        while cur.nextset():  # the lookup's result is the last one
-                            pass
-                        if cur.rowcount:
-                            await self._release(link)  # nothing written: the next member goes on
-                            raise AlreadyProcessed(f"message {key[1]} was already processed by {key[0]}")
-                except AlreadyProcessed:
-                    raise
-                except BaseException as exc:
-                    await self._fail_member(link, exc)
-                    await self._release(link)
-                    raise
-        before = len(ctx.outgoing)
-        try:
-            yield link.conn
-            if link.raw.info.transaction_status == _INERROR_STATUS:
-                raise GroupCommitFailed(
-                    "a statement failed inside ctx.sql_transaction and the error was caught: "
-                    "the block's transaction cannot commit (let the error propagate, or use "
-                    "conn.begin_nested() around statements that may fail)"
-                )
-            staged = ctx.outgoing[before:]
-            if staged:
-                with anyio.CancelScope(shield=True):
-                    await outbox._stage_pg(link.cursor, staged)
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await self._fail_member(link, exc)
-                await self._release(link)
-            if isinstance(exc, GroupCommitFailed):
-                ctx._sql_failed(exc)
-            raise
-        ctx._unstage_from(before)
-        self.failure_rate -= self.failure_rate * _DECAY
-        self._finished()
-        link.members += 1
-        group.ids[key] = f"({service}, {message_id}, now())"
-        if link.members == 1:
-            link.since = time.monotonic()
-        if link not in self._links or self._must_end(link):  # this member ends it (shielded: others wait on it)
-            with anyio.CancelScope(shield=True):
-                await self._release(link)
-        else:  # the common case with handlers waiting: nothing to await
-            self._hand_over(link)
-        await group.done.wait()  # committed by whichever member ends the transaction
-        self._raise(ctx, group.outcome(key))
-        ctx._sql_committed()
-
-    @staticmethod
-    def _raise(ctx: Context, error: BaseException | None) -> None:
-        if error is None:
-            return
-        if isinstance(error, GroupCommitFailed):  # the runtime sees it even if the handler catches it
-            ctx._sql_failed(error)
-        raise error
-
-    async def _fail_member(self, link: _Link, exc: BaseException) -> None:
-        """Undo a member that raised: to its savepoint; with the transaction when it is alone in
-        it; else the whole transaction, whose earlier members run again."""
-        if not link.open:
-            return
-        self.failure_rate += (1.0 - self.failure_rate) * _DECAY
-        if self._broken(link):
-            await self._lose_group(link)
-        elif link.members == 0:
-            await self._rollback(link)
-        elif link.savepoint:
-            await self._undo(link)
-        else:
-            group = link.group
-            assert group is not None
-            self.rollbacks += 1
-            group.error = RolledBackWithGroup(
-                f"the shared transaction was rolled back because another handler's block in it failed "
-                f"({type(exc).__name__}: {exc})"
-            )
-            await self._rollback(link)
-
-    async def _undo(self, link: _Link) -> None:
-        """Roll back to the member's savepoint (the transaction goes on)."""
-        try:
-            await link.cursor.execute("ROLLBACK TO SAVEPOINT fw; RELEASE SAVEPOINT fw")
-            link.savepoint = False
-        except Exception:
-            await self._lose_group(link)
-
-    async def _lose_group(self, link: _Link) -> None:
-        """The transaction on ``link`` is lost (a broken connection): fail its members, drop the link."""
-        group = link.group
-        link.group, link.members, link.savepoint = None, 0, False
-        if group is not None:
-            group.error = GroupCommitFailed("the database connection broke before the shared transaction committed")
-            group.done.set()
-        await self._discard(link)
 
     async def aclose(self) -> None:
         """Commit what is open (nothing, after a graceful stop) and return every connection."""
@@ -540,63 +343,3 @@ class GroupCommitter:
                         await link.conn.close()
             self._free.clear()
             self._opened = 0
-
-
-class GroupCommits:
-    """A runtime's committers, one per engine; installed for its tasks with :meth:`installed`."""
-
-    def __init__(self, settings: RuntimeSettings) -> None:
-        self.settings = settings
-        self._by_engine: dict[int, tuple[Any, GroupCommitter | None]] = {}
-
-    def for_engine(self, engine: AsyncEngine) -> GroupCommitter | None:
-        """The committer of ``engine`` (None for SQLite: one transaction per block there)."""
-        entry = self._by_engine.get(id(engine))
-        if entry is not None and entry[0] is engine:
-            return entry[1]
-        committer = None
-        if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg":
-            committer = self._create(engine)
-        self._by_engine[id(engine)] = (engine, committer)
-        return committer
-
-    def _create(self, engine: AsyncEngine) -> GroupCommitter:
-        from framework.sql import redact_url
-
-        settings = self.settings
-        wanted = settings.sql_connections
-        pool = engine.pool
-        size = getattr(pool, "size", None)
-        overflow = getattr(pool, "_max_overflow", 0)
-        capacity = None
-        if callable(size) and overflow >= 0:
-            capacity = size() + overflow
-        connections = wanted if capacity is None else max(1, min(wanted, capacity))
-        log.info(
-            "SQL transactions on this engine run at most this many at a time in this process "
-            "(one connection each, held while the worker runs)",
-            database=redact_url(engine.url),
-            connections=connections,
-            bounded_by_pool=connections < wanted,
-            group_commit_size=settings.group_commit_size,
-            group_commit_wait_ms=round(settings.group_commit_wait * 1000, 3),
-        )
-        return GroupCommitter(
-            engine, size=settings.group_commit_size, wait=settings.group_commit_wait, connections=connections
-        )
-
-    @contextlib.contextmanager
-    def installed(self) -> Any:
-        """Make these committers the current ones for tasks started inside the block."""
-        token = _current.set(self)
-        try:
-            yield self
-        finally:
-            _current.reset(token)
-
-    async def aclose(self) -> None:
-        """Close every committer (return their connections to the engines' pools)."""
-        for _, committer in list(self._by_engine.values()):
-            if committer is not None:
-                await committer.aclose()
-        self._by_engine.clear()
