@@ -7,12 +7,13 @@ from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
 from typing import Any
 
-from broker import COMMAND, EVENT, Delivery, Envelope, GuardedWrite, derive_id
+from broker import COMMAND, EVENT, Delivery, Envelope, GuardedWrite, Kind, derive_id
+from broker.capabilities import REDIS
 from broker.codec import check_body_size
 from broker.headers import CAUSATION_ID, CORRELATION_ID
 from framework._messages import Outgoing, build_envelope
 from framework.effects import RedisEffects, sql_transaction
-from framework.handlers import Handler, Queue, Topic
+from framework.handlers import Handler, HandlerError, Queue, Topic
 from framework.logs import get_logger
 from framework.observability import hooks
 from framework.scheduling import with_due
@@ -212,8 +213,9 @@ class Context:
 
     @property
     def redis(self) -> Any:
-        """The broker's async Redis client, for reads (and writes outside exactly-once guarantees)."""
-        return self._broker.redis if self._broker is not None else None
+        """The broker's async Redis client, for reads (and writes outside exactly-once guarantees);
+        None on a transport without the Redis data store (``memory://``)."""
+        return getattr(self._broker, "redis", None)
 
     def redis_transaction(self) -> RedisEffects:
         """Writes applied atomically with the inbox mark, outgoing messages and the ack (exactly once).
@@ -221,6 +223,11 @@ class Context:
         Call it once per handler run; see :class:`framework.effects.RedisEffects`.
         """
         if self._effects is None:
+            if self._broker is not None and REDIS not in self._broker.capabilities:
+                raise HandlerError(
+                    f"ctx.redis_transaction() needs the Redis transport: the {self._broker.transport} transport "
+                    "has no Redis data store (use ctx.sql_transaction, or test this handler on the embedded Valkey)"
+                )
             self._effects = RedisEffects()
         return self._effects
 
@@ -235,7 +242,7 @@ class Context:
 
     def _stage(
         self,
-        kind: str,
+        kind: Kind,
         destination: str | Queue | Topic,
         payload: Any,
         key: str | None,
@@ -270,7 +277,7 @@ class Context:
             payload,
             key=key,
             headers=hdrs,
-            type=type,  # type: ignore[arg-type]
+            type=type,
             message_id=message_id,
         )
         limit = getattr(self._broker, "max_body_bytes", None)

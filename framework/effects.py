@@ -44,9 +44,9 @@ class RedisEffects:
     def __init__(self) -> None:
         self.commands: list[tuple[Any, ...]] = []
         self.keys: list[str] = []
-        self.applied: list[Callable[[], None]] = []  # run once the commit applied the writes
+        self.applied: list[Callable[[], object]] = []  # run once the commit applied the writes
 
-    def after_commit(self, fn: Callable[[], None]) -> None:
+    def after_commit(self, fn: Callable[[], object]) -> None:
         """Run ``fn()`` in the worker once these writes were applied (not when the message turned out a
         duplicate, a guard failed, the commit failed or its outcome is unknown)."""
         self.applied.append(fn)

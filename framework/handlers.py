@@ -95,6 +95,9 @@ class Handler:
     # handler reads ahead there what its runs will need, one round trip per batch (a saga's states).
     # It must not fail the batch (its errors are logged and the runs go on without it).
     prepare: Callable[[Broker, list[Delivery], int | None, Any], Awaitable[None]] | None = None
+    # Optional transport capabilities the handler needs (name -> why, for the error at start when
+    # its transport lacks one: see framework.runtime.requirements).
+    needs: dict[str, str] = attrs.field(factory=dict)
 
     @property
     def spec(self) -> DestinationSpec:

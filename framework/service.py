@@ -221,6 +221,7 @@ class Service:
         inbox: _InboxMode | None,
         timeout: timedelta | float | None,
         prepare: Callable[[Broker, list[Delivery], int | None, Any], Awaitable[None]] | None = None,
+        needs: dict[str, str] | None = None,
     ) -> Callable[[F], F]:
         try:
             dest.spec()
@@ -262,6 +263,7 @@ class Service:
                     sql_inbox=mode == "sql",
                     timeout=seconds,
                     prepare=prepare,
+                    needs=dict(needs or {}),
                 )
             )
             return fn

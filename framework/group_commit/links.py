@@ -115,7 +115,7 @@ class LinkPool:
     async def _open_link(self) -> _Link:
         conn = await self.engine.connect()
         try:
-            raw = (await conn.get_raw_connection()).driver_connection
+            raw: Any = (await conn.get_raw_connection()).driver_connection
             await raw.set_autocommit(True)  # we send BEGIN ourselves, with other statements
             await raw.execute("SET standard_conforming_strings = on")
         except BaseException:

@@ -114,6 +114,8 @@ class Observer:
         first attempt the latency from publish. ``slot``: the lane running it, whose watch is
         reused (none is built per message) and whose reusable span stands for messages that are
         not sampled."""
+        env = d.envelope
+        assert env is not None  # only decoded messages are attempted
         if slot is None:
             watch = Watch()
         else:
@@ -123,14 +125,14 @@ class Observer:
         if self.latency is not None:
             watch.started = _clock()
             if attempt == 1:
-                latency = time.time() - d.envelope.published_at / 1000
+                latency = time.time() - env.published_at / 1000
                 self.latency.record(latency if latency > 0.0 else 0.0)
         if self.tracer is None:
             return watch
         lane = watch.unsampled
         if lane is None:
             lane = watch.unsampled = self._tracing.Unsampled()
-        parent, record = self._tracing.consumer_parent(d.envelope.headers, lane)
+        parent, record = self._tracing.consumer_parent(env.headers, lane)
         if not record:  # not sampled: no span, the (lane's) unsampled context is current
             if slot is None:
                 watch.token = _attach(parent)

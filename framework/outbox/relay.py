@@ -31,7 +31,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -39,8 +39,7 @@ import anyio.lowlevel
 import orjson
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from broker import ConfigurationError, DestinationSpec, Envelope, validate_name
-from broker.redis import RedisBroker
+from broker import Broker, ConfigurationError, DestinationSpec, Envelope, Kind, validate_name
 from framework.logs import get_logger
 from framework.observability import hooks
 from framework.outbox import _statements as statements
@@ -84,7 +83,7 @@ class OutboxRelay:
     def __init__(
         self,
         engine: AsyncEngine,
-        broker: RedisBroker,
+        broker: Broker,
         *,
         batch_size: int = 1000,
         poll_interval: float | None = None,
@@ -130,7 +129,7 @@ class OutboxRelay:
         """
         if self.postgres:
             async with self.engine.begin() as conn:
-                raw = (await conn.get_raw_connection()).driver_connection
+                raw: Any = (await conn.get_raw_connection()).driver_connection
                 async with raw.cursor(binary=True) as cur:
                     await cur.execute(statements.PG_CLAIM, {"limit": self.max_shards})
                     shards = [r[0] for r in await cur.fetchall()]
@@ -173,7 +172,7 @@ class OutboxRelay:
             envelopes.append(
                 Envelope(
                     destination=destination,
-                    kind=kind,
+                    kind=cast(Kind, kind),
                     type=type_,
                     body=body if type(body) is bytes else bytes(body),
                     key=key,
@@ -210,7 +209,7 @@ class OutboxRelay:
                 await self.broker.publish(envelopes)
             now = datetime.now(UTC)
             if self.postgres:
-                raw = (await conn.get_raw_connection()).driver_connection
+                raw: Any = (await conn.get_raw_connection()).driver_connection
                 await raw.execute(statements.PG_MOVE, {"seqs": seqs, "now": now})
             else:
                 await conn.execute(statements.SQLITE_COPY, {"now": now, "seqs": seqs})

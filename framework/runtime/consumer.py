@@ -177,7 +177,7 @@ class Consumer:
                     more = await self._process_from(ledger, batch, slot, done)
                 if scope.cancelled_caught:
                     d = works[slot.index][0]
-                    if slot.delivery is d:  # the watchdog cut its handler short
+                    if slot.delivery is d and d is not None:  # the watchdog cut its handler short
                         await self.attempts.timed_out(ledger, d, slot)
                     else:  # a handler swallowed the cancellation, which then hit its settling: unknown state
                         ledger.forget([d])  # pending: redelivered after the visibility timeout

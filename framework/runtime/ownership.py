@@ -119,6 +119,7 @@ class Ownership:
         self.consumer = consumer
         self.views = {v.partition: v for v in views}
         self.broker = wiring.broker
+        self.leases = wiring.ownership_store  # checked at wiring: partitions are owned only where it exists
         self.instance = wiring.consumer_name
         self.ttl = wiring.settings.lease_ttl
         self.ttl_ms = int(self.ttl * 1000)
@@ -171,7 +172,7 @@ class Ownership:
         if self.stopped:  # shutting down: keep what is held until the hand-over frees it, join nothing
             await self.renew()
             return
-        self.members = await self.broker.heartbeat(self.destination, self.group, self.instance, self.ttl_ms)
+        self.members = await self.leases.heartbeat(self.destination, self.group, self.instance, self.ttl_ms)
         mine = {p for p, who in assign(len(self.views), self.members).items() if who == self.instance}
         await self.renew()
         for p, tenure in list(self.tenures.items()):
@@ -188,7 +189,7 @@ class Ownership:
         acquired: dict[int, int] = {}
         for p in sorted(mine - set(self.tenures)):
             started = time.monotonic()
-            token = await self.broker.acquire_lease(self.views[p], self.instance, self.ttl_ms)
+            token = await self.leases.acquire_lease(self.views[p], self.instance, self.ttl_ms)
             if token:
                 self.start(p, token, started)
                 acquired[p] = token
@@ -208,7 +209,7 @@ class Ownership:
             return
         sent = time.monotonic()
         pairs = [(self.views[p], t.ledger.lease.token) for p, t in held if t.ledger.lease is not None]
-        renewed = await self.broker.renew_leases(pairs, self.instance, self.ttl_ms)
+        renewed = await self.leases.renew_leases(pairs, self.instance, self.ttl_ms)
         for (_, t), ok in zip(held, renewed, strict=True):
             lease = t.ledger.lease
             assert lease is not None
@@ -289,7 +290,7 @@ class Ownership:
                         finally:
                             self.consumer.settle.writes_settled(ledger, batch)
                 if not any(s.delivery is not None for s in ledger.slots):
-                    await self.broker.release_lease(self.views[p], self.instance, lease.token)
+                    await self.leases.release_lease(self.views[p], self.instance, lease.token)
             except LeaseLost:
                 pass
             except Exception as exc:
@@ -327,7 +328,7 @@ class Ownership:
         if self.consumer.states.get(p) is ledger:
             del self.consumer.states[p]
         tenure.scope.cancel()
-        await self.broker.release_lease(self.views[p], self.instance, lease.token)
+        await self.leases.release_lease(self.views[p], self.instance, lease.token)
         self.log.info(
             "handed back partition", partition=p, token=lease.token, seconds=round(time.monotonic() - began, 3)
         )
@@ -342,5 +343,5 @@ class Ownership:
             lease.releasing = True
             await tenure.close_intake()
             if not lease.lost:
-                await self.broker.release_lease(self.views[p], self.instance, lease.token)
-        await self.broker.heartbeat(self.destination, self.group, self.instance, self.ttl_ms, leave=True)
+                await self.leases.release_lease(self.views[p], self.instance, lease.token)
+        await self.leases.heartbeat(self.destination, self.group, self.instance, self.ttl_ms, leave=True)

@@ -61,6 +61,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from broker import GuardedWrite
+from broker.capabilities import REDIS, as_redis
 from framework._payloads import decoder_for
 from framework.context import Context
 from framework.handlers import HandlerError, Queue
@@ -172,7 +173,12 @@ class Saga(RedisSteps[S]):
                 await self._run_sql(found, source, body, ctx)
 
         step.__name__ = f"saga_{name}"
-        service._register(self.queue, self._retry, None, "earliest", True, timeout, self._read_ahead)(step)
+        needs = (
+            {}
+            if self._sql is not None
+            else {REDIS: f"saga {self.label} keeps its state in Redis (sql= keeps it in a database)"}
+        )
+        service._register(self.queue, self._retry, None, "earliest", True, timeout, self._read_ahead, needs)(step)
 
     def __repr__(self) -> str:
         return f"Saga({self.label!r}, inputs={sorted(self._steps)}, timeouts={sorted(self._timeout_steps)})"
@@ -184,7 +190,8 @@ class Saga(RedisSteps[S]):
         them (none kept, or kept too long) and keep them for those steps (see :meth:`_run_redis`)."""
         if self._sql is not None:
             return
-        keyspace = broker.keyspace
+        store = as_redis(broker)  # (the runtime checked the capability: Handler.needs)
+        keyspace = store.keyspace
         cache = self._cached
         ahead = self._ahead
         now = time.monotonic()
@@ -204,7 +211,7 @@ class Saga(RedisSteps[S]):
             keys[key] = None
         if not keys:
             return
-        rows = await broker.read_hashes(list(keys), _STATE_FIELDS, channel=channel)
+        rows = await store.read_hashes(list(keys), _STATE_FIELDS, channel=channel)
         for key, row in zip(keys, rows, strict=True):
             if row is not None:  # (else not a hash: its step reads it and fails with the reason)
                 self._drop_ahead(key)
@@ -238,7 +245,7 @@ class Saga(RedisSteps[S]):
     def _keep_state(
         self,
         entry: _Kept,
-        version: int,
+        version: int | None,
         state: Any,
         pending: dict[str, str],
         size: int,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import orjson
 
@@ -103,6 +103,8 @@ class StepDispatch(TimeoutWrites[S]):
         return engine
 
     def _load_state(self, raw: bytes | str | None) -> S:
+        data = raw.encode() if isinstance(raw, str) else raw or b"{}"
         if self._state_decode is not None:
-            return self._state_decode(raw or b"{}")  # type: ignore[no-any-return]
-        return converter.structure(orjson.loads(raw or b"{}"), Any)  # type: ignore[no-any-return]
+            state: S = self._state_decode(data)
+            return state
+        return cast(S, converter.structure(orjson.loads(data), Any))

@@ -25,7 +25,7 @@ class _Kept:
         self.write: _StateWrite | None = None
         self.applied = True
         self.until = 0.0  # (monotonic) usable until then; 0: only its write is kept, for the next read to wait for
-        self.version = 0
+        self.version: int | None = 0
         self.state: Any = None
         self.pending: dict[str, str] = {}
         self.size = 0  # bytes of the state's JSON (and its timeouts'), counted against the budget

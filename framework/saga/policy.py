@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import attrs
+
 from broker.errors import EffectsConflict
 from framework.retries import Decision, RetryPolicy
 
@@ -37,6 +39,6 @@ class SagaRetryPolicy(RetryPolicy):
 
 
 def _saga_policy(policy: RetryPolicy) -> SagaRetryPolicy:
-    fields = {a.name: getattr(policy, a.name) for a in type(policy).__attrs_attrs__}  # type: ignore[attr-defined]
+    fields = {a.name: getattr(policy, a.name) for a in attrs.fields(type(policy))}
     fields["fatal"] = (*policy.fatal, SagaError)
     return SagaRetryPolicy(**fields)

@@ -48,7 +48,7 @@ class RedisSteps(StepDispatch[S]):
         def _keep_state(
             self,
             entry: _Kept,
-            version: int,
+            version: int | None,
             state: Any,
             pending: dict[str, str],
             size: int,
@@ -88,6 +88,7 @@ class RedisSteps(StepDispatch[S]):
         ahead = self._drop_ahead(key) if self._ahead else None
         last: _Kept | None = None  # the instance's entry, kept in this tenure: its last save, maybe unsent
         loaded: tuple[Any, dict[str, str]] | None = None
+        version: int | None = None
         state_raw = pending_raw = None
         size = 0  # bytes of the kept state's JSON
         if cached is not None:
@@ -100,6 +101,7 @@ class RedisSteps(StepDispatch[S]):
                     size = cached.size
         if loaded is None:
             if last is not None and last.write is not None:
+                assert ctx._flush is not None  # (a write waits for its ack only on the path that has one)
                 await ctx._flush()  # read after this process's own last write of it, not before
                 ahead = None  # (which a read ahead may predate)
             last = None
@@ -138,6 +140,7 @@ class RedisSteps(StepDispatch[S]):
                 return
             if last is not None:
                 if last.write is not None:
+                    assert ctx._flush is not None
                     await ctx._flush()  # its previous state write first (this commit builds on it)
                 if not last.applied:  # (the tenure is over: this run commits nothing,
                     raise EffectsConflict(  # the next tenure runs it)
@@ -157,12 +160,13 @@ class RedisSteps(StepDispatch[S]):
             pending_raw = pending_raw or b"{}"
             loaded = (self._load_state(state_raw), orjson.loads(pending_raw))
             size = len(state_raw) + len(pending_raw)
+        state, pending = loaded
         if fast:  # (its last write, if unsent, stays what the next read waits for)
-            self._keep_state(last or _Kept(key), version, *loaded, size, fence)
+            self._keep_state(last or _Kept(key), version, state, pending, size, fence)
         else:
             tx = ctx.redis_transaction()
             tx.expect(key, "v", version)
-            self._cache_after_commit(tx, key, version, *loaded, size, fence)
+            self._cache_after_commit(tx, key, version, state, pending, size, fence)
 
     def _save_with_ack(
         self,
@@ -183,7 +187,8 @@ class RedisSteps(StepDispatch[S]):
         pending = sctx._pending
         if pending or had_timeouts:
             timeouts = orjson.dumps(pending)
-            names, values = _SAVED_WITH_TIMEOUTS, (new, raw, timeouts)
+            names: tuple[str, ...] = _SAVED_WITH_TIMEOUTS
+            values: tuple[Any, ...] = (new, raw, timeouts)
             size = len(raw) + len(timeouts)
         else:  # (absent or {} stored: left as it is)
             names, values = _SAVED, (new, raw)
@@ -195,7 +200,7 @@ class RedisSteps(StepDispatch[S]):
         self._keep_state(entry, new, sctx.state, pending, size, fence, now + self._cache_ttl)
 
     def _cache_after_commit(
-        self, tx: Any, key: str, version: int, state: Any, pending: dict[str, str], size: int, fence: int | None
+        self, tx: Any, key: str, version: int | None, state: Any, pending: dict[str, str], size: int, fence: int | None
     ) -> None:
         """Keep ``key``'s state once the step's commit applied (with the guard passed, it is the
         stored one); ``size``: the bytes of its JSON, counted against the budget."""

@@ -47,6 +47,7 @@ class SagaService(Protocol):
         inbox: bool | None,
         timeout: timedelta | float | None,
         prepare: Any = ...,
+        needs: dict[str, str] | None = None,
     ) -> Callable[[F], F]:
         """Register a handler of ``dest`` (``prepare``: reads ahead what a fetched batch's runs need)."""
 
