@@ -18,16 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import orjson
 import pytest
 
-from broker import Broker, DestinationSpec, EffectsFailed, Envelope, now_ms
+from broker import Broker, DestinationSpec, EffectsFailed, Envelope, new_id, now_ms
 from broker.capabilities import RedisStore, StateStore, as_redis
 from broker.codec import encode_fields
 from broker.conformance.members import CAPABILITY_PROTOCOLS, member_problems, protocol_members
+from broker.headers import DELIVER_AT
 from broker.redis import RedisBroker
 from broker.redis.broker import ROLES
-from broker.redis.effects import RedisEffects
+from broker.redis.effects import RedisEffects, as_bytes, msgpack_strings
+from broker.state import DeleteKey, ExpireKey, ScheduleMessage, SetFields
 
 pytestmark = pytest.mark.anyio
 
@@ -418,6 +421,65 @@ async def test_hashes_are_read_together_in_one_call(broker: RedisBroker, namespa
             assert await broker.read_hashes(keys, ("v", "s", "t", "done"), channel=channel) == expected
         finally:
             await channel.aclose()
+
+
+# -- the state capability: typed operations are the commands the saga wrote itself before -------------
+
+
+async def test_typed_state_operations_become_the_same_commands_in_one_commit(broker: RedisBroker) -> None:
+    """A saga step's typed operations reach ``commit_effects.lua`` as exactly the commands it recorded
+    itself before the seam (guard, HSET, DEL, PEXPIRE; a timeout's ZADD and HSET of the partition's
+    scheduled keys), in the order recorded, in one script call; a scheduled entry is packed as
+    ``schedule_add.lua`` packs it (the mover reads both alike)."""
+    if broker.cluster:
+        pytest.skip("the batcher is the Redis broker's on a single node")
+    spec = await broker.declare(DestinationSpec("saga.ops", "command"))
+    [view] = await broker.subscribe(spec, "g")
+    await broker.publish([command("saga.ops", 1, key="o-1")])
+    [d] = await broker.read(view, "c", 10, 10)
+    key = broker.state_key("saga.ops", 0, "o-1")
+    assert key == f"{view.stream}:saga:o-1"  # the layout: under the partition's hash tag
+    due = now_ms() + 60_000
+    timeout = Envelope(destination="saga.ops", kind="command", type="T", body=b"{}", key="o-1")
+    timeout.headers[DELIVER_AT] = str(due)
+    tx = broker.effects()
+    tx.hincrby(f"{view.stream}:mine", "n", 1)  # the handler's own command, in its place
+    tx.expect(key, "v", None)
+    tx.add(SetFields(key, {"v": 1, "s": b"{}", "t": b"{}"}))
+    tx.add(ScheduleMessage(timeout, due))
+    tx.add(DeleteKey(key))
+    tx.add(ExpireKey(key, 5000))
+    batcher = broker._commit_batcher()
+    assert batcher is not None
+    sent: list[list[Any]] = []
+    call = batcher.call
+
+    async def spy(source: Any, keys: Any, part: list[Any]) -> Any:
+        sent.append(part)
+        return await call(source, keys, part)
+
+    batcher.call = spy  # type: ignore[method-assign]
+    assert await broker.commit_effects(d, tx) is True
+    [part] = sent
+    assert part[3:5] == [7, 0]  # 7 commands (the timeout is two), no outgoing message
+    pkeys = broker.keyspace.partition("saga.ops", 0)
+    packed = msgpack_strings([as_bytes(f) for f in encode_fields(timeout)])
+    commands = [
+        ["HINCRBY", f"{view.stream}:mine", "n", 1],
+        ["__EXPECT__", key, "v", ""],
+        ["HSET", key, "v", 1, "s", b"{}", "t", b"{}"],
+        ["ZADD", pkeys.scheduled, due, timeout.id],
+        ["HSET", pkeys.scheduled_envelopes, timeout.id, packed],
+        ["DEL", key],
+        ["PEXPIRE", key, 5000],
+    ]
+    assert part[6 + 2 * part[5] :] == [x for c in commands for x in (len(c), *c)]
+    assert await broker.redis.zscore(broker.keyspace.scheduled_index, "saga.ops|0") == due  # the hint, lowered
+    # the packing is schedule_add.lua's: a publish of the same envelope under another id stores the same bytes
+    twin = attrs.evolve(timeout, id=new_id())
+    await broker.publish([twin])
+    stored = await broker.redis.hget(pkeys.scheduled_envelopes, twin.id)
+    assert stored == msgpack_strings([as_bytes(f) for f in encode_fields(twin)])
 
 
 # -- the cluster flag ---------------------------------------------------------------------------------
