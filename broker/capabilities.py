@@ -13,18 +13,20 @@ its first message. Each capability is a protocol of the methods it adds to :clas
 | ``scheduling`` | :class:`Scheduler` | yes | yes |
 | ``dead_letter_admin`` | :class:`DeadLetterAdmin` | yes | yes |
 | ``introspection`` | :class:`~broker.introspection.Introspection` | yes | yes |
+| ``state`` | :class:`StateStore` | yes (hashes under the partition's hash tag) | yes |
 | ``redis`` | :class:`RedisStore` | yes | no |
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 from broker.envelope import Envelope
 from broker.introspection import Introspection
 from broker.protocol import Broker, Delivery, GroupPartition
 from broker.scheduling import MoveResult, ScheduledMessage
+from broker.state import Effects
 from broker.topology import DestinationSpec
 
 __all__ = [
@@ -34,17 +36,21 @@ __all__ = [
     "OWNERSHIP",
     "REDIS",
     "SCHEDULING",
+    "STATE",
     "DeadLetterAdmin",
     "InboxStore",
     "PartitionOwnership",
     "RedisStore",
+    "RedisTransaction",
     "Scheduler",
+    "StateStore",
     "as_dead_letter_admin",
     "as_inbox",
     "as_introspection",
     "as_ownership",
     "as_redis",
     "as_scheduler",
+    "as_state",
     "missing",
     "supports",
 ]
@@ -60,9 +66,11 @@ DEAD_LETTER_ADMIN = "dead_letter_admin"
 INTROSPECTION = "introspection"
 """Read-only views of destinations and groups: depth, pending, lag, leases, inbox memory
 (:class:`broker.introspection.Introspection`): ``framework status`` and "run until idle"."""
+STATE = "state"
+"""Versioned state per key committed with the ack (:class:`StateStore`): sagas' state and timeouts."""
 REDIS = "redis"
 """The Redis data store beside the streams (:class:`RedisStore`): ``ctx.redis``,
-``ctx.redis_transaction()`` effects atomic with the ack, saga state kept in Redis."""
+``ctx.redis_transaction()``: a handler's own Redis writes atomic with the ack."""
 
 
 @runtime_checkable
@@ -192,49 +200,120 @@ class Scheduler(Protocol):
 
 
 @runtime_checkable
-class RedisStore(Protocol):
-    """The Redis data store of the Redis transport: handlers' own Redis reads and writes committed
-    atomically with the inbox mark and the ack, and the sagas' state kept beside their partitions."""
+class StateStore(Protocol):
+    """Versioned state per key (a saga instance's), read by key and committed as typed operations
+    (:mod:`broker.state`) atomically with a delivery's inbox mark, outgoing messages and ack.
 
-    cluster: bool
-    """True on a Redis Cluster: writes of one atomic step must share the delivery's hash tag, so
-    a handler's outgoing messages are published before its effects commit."""
+    A state is a hash of fields (bytes values) under a key of the delivery's partition; commits
+    guard it by a field's value (:class:`~broker.state.ExpectField`, a version), so two writers of
+    one state never both apply. A delivery's ``settle_write`` (:class:`~broker.protocol.GuardedWrite`,
+    written by :meth:`~broker.protocol.Settler.ack`) writes the same states.
+    """
+
+    commits_outgoing: bool
+    """Whether :meth:`commit_effects` writes ``outgoing`` in its atomic step (False on a Redis Cluster,
+    where one step's keys share a hash tag: the caller publishes them first)."""
+
+    def state_key(self, queue: str, partition: int, correlation: str) -> str:
+        """The key of ``correlation``'s state beside ``queue``'s ``partition`` (no server call; on Redis
+        under the partition's hash tag, so it commits with the partition's deliveries)."""
+        ...
+
+    async def read_state(self, key: str, fields: Sequence[str]) -> list[bytes | None]:
+        """``fields`` of the state at ``key`` (None where absent; all None when there is no state), read
+        together with other tasks' reads; an error when ``key`` holds something else."""
+        ...
+
+    async def read_states(
+        self, keys: Sequence[str], fields: Sequence[str], *, channel: Any = None
+    ) -> list[list[bytes | None] | None]:
+        """The same ``fields`` of each key's state in one call (a fetched batch's states read ahead; the
+        keys of one partition): rows in order, None instead of the row of a key that holds no state."""
+        ...
+
+    def effects(self) -> Effects:
+        """A new recorder of one run's operations, for :meth:`commit_effects`."""
+        ...
 
     async def commit_effects(
         self,
         delivery: Delivery,
-        commands: Sequence[Sequence[Any]],
-        keys: Sequence[str],
+        effects: Effects,
         outgoing: Sequence[Envelope] = (),
         *,
         reason: Mapping[str, str] = {},
         token: int | None = None,
     ) -> bool:
-        """Apply a handler's writes and ``outgoing``, mark the inbox and ack, atomically.
+        """Apply ``effects``' operations and ``outgoing``, mark the inbox and ack, atomically.
 
-        False when the message was already processed (only acked) or is no longer pending. A write
-        that fails part-way dead-letters the message in the same step and raises ``EffectsFailed``.
+        False when the message was already processed (then only acked) or its entry is no longer
+        pending (nothing done). A guard that does not hold raises
+        :class:`~broker.errors.EffectsConflict` having done nothing (the entry stays pending); a
+        ``token`` no longer current raises :class:`~broker.errors.LeaseLost`, nothing done. A write
+        that fails part-way (Redis, which cannot roll back) dead-letters the message in the same
+        step (``reason``: the dead letter's ``dlq-*`` fields) and raises ``EffectsFailed``.
         """
         ...
+
+
+class RedisTransaction(Protocol):
+    """What ``ctx.redis_transaction()`` returns (the Redis transport's recorder,
+    ``broker.redis.effects.RedisEffects``): Redis writes applied with the ack.
+
+    ``tx.call("HINCRBY", key, field, 5)`` or ``tx.hincrby(key, field, 5)``. The first argument is
+    taken as the key; pass ``keys=[...]`` for commands that touch several. Writes are applied after
+    the handler returns, so read current values before (``ctx.redis``). On a Redis Cluster every
+    key must carry the message's hash tag (``ctx.hash_tag``).
+    """
+
+    def call(self, command: str, *args: Any, keys: Sequence[str] | None = None) -> None:
+        """Record one write command."""
+        ...
+
+    def expect(self, key: str, field: str, value: str | int | None) -> None:
+        """A guard: apply nothing unless hash field ``key``/``field`` still holds ``value`` (None:
+        absent) at commit; else the commit raises :class:`~broker.errors.EffectsConflict`, nothing done."""
+        ...
+
+    def after_commit(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` once these writes were applied."""
+        ...
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        """``tx.hset(...)``: :meth:`call` of the command named so."""
+        ...
+
+
+@runtime_checkable
+class RedisStore(Protocol):
+    """The Redis data store of the Redis transport: handlers' own Redis reads (``ctx.redis``) and
+    writes committed atomically with the inbox mark and the ack (``ctx.redis_transaction()``)."""
+
+    cluster: bool
+    """True on a Redis Cluster: writes of one atomic step must share the delivery's hash tag, so
+    a handler's outgoing messages are published before its effects commit."""
 
     redis: Any
     """The Redis client itself: ``ctx.redis`` hands it to handlers for their own reads. A second
     transport would offer None here (``ctx.redis`` is then None) or a client of its own."""
-    keyspace: Any
-    """The key layout (:mod:`broker.redis.keys`): sagas keep their state and timeouts under the keys
-    of their queue's partitions, in the same atomic commit as the inbox mark and the ack."""
 
-    async def read_shared(self, *command: Any) -> Any:
-        """Run one Redis read ``command`` sent together with other tasks' reads (a saga step's
-        state read); its raw reply, an error reply raised."""
+    def effects(self) -> RedisTransaction:
+        """A new recorder of one run's Redis writes (it records :mod:`broker.state` operations too:
+        one recorder serves a saga step that also writes Redis itself)."""
         ...
 
-    async def read_hashes(
-        self, keys: Sequence[str], fields: Sequence[str], *, channel: Any = None
-    ) -> list[list[bytes | None] | None]:
-        """The same ``fields`` of each hash in ``keys`` in one call (a saga's states read ahead for
-        a fetched batch; on a Cluster the keys share a hash tag); raw values, None where absent,
-        None instead of the row for a key that is not a hash."""
+    async def commit_effects(
+        self,
+        delivery: Delivery,
+        effects: Effects,
+        outgoing: Sequence[Envelope] = (),
+        *,
+        reason: Mapping[str, str] = {},
+        token: int | None = None,
+    ) -> bool:
+        """:meth:`StateStore.commit_effects`, for a recorder from :meth:`effects`: its commands in the
+        order recorded. A command that fails stops the rest (the ones before it stay applied: Redis
+        has no rollback) and dead-letters the message in the same script call (``EffectsFailed``)."""
         ...
 
 
@@ -271,6 +350,11 @@ def as_scheduler(broker: Broker) -> Scheduler:
 def as_dead_letter_admin(broker: Broker) -> DeadLetterAdmin:
     """``broker`` as a :class:`DeadLetterAdmin`; ``TypeError`` when it has none."""
     return cast("DeadLetterAdmin", _narrow(broker, DEAD_LETTER_ADMIN))
+
+
+def as_state(broker: Broker) -> StateStore:
+    """``broker`` as a :class:`StateStore`; ``TypeError`` when it has none."""
+    return cast("StateStore", _narrow(broker, STATE))
 
 
 def as_redis(broker: Broker) -> RedisStore:

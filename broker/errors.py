@@ -85,8 +85,8 @@ class PermissionDenied(BrokerError):
 
 
 class EffectsConflict(Exception):
-    """A handler's Redis writes were refused by a guard (``RedisEffects.expect``): a value the handler
-    read changed before its commit. Nothing was written, sent or acknowledged; run the handler again
+    """A commit's writes were refused by a guard (:class:`broker.state.ExpectField`, ``tx.expect``): a value
+    the handler read changed before its commit. Nothing was written, sent or acknowledged; run the handler again
     (it reads the new value). Sagas use it as their optimistic version check.
     """
 

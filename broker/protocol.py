@@ -5,8 +5,8 @@ them through this contract alone, for any transport factory and its features). :
 is what the framework may call on every transport, grouped by role: :class:`Destinations`,
 :class:`Publisher`, :class:`GroupReader`, :class:`Settler` and :class:`Connection`. What only some
 transports offer (an inbox store, partition ownership, scheduled messages, dead-letter
-administration, the Redis data store) is an optional capability in :mod:`broker.capabilities`,
-declared in ``capabilities`` and checked when a service is wired.
+administration, the state store, the Redis data store) is an optional capability in
+:mod:`broker.capabilities`, declared in ``capabilities`` and checked when a service is wired.
 
 * **Publish.** ``publish`` returns once every envelope is durable on the server (as durable as the
   server's persistence makes it). Envelopes with one key go to one partition and are stored in
@@ -19,9 +19,9 @@ declared in ``capabilities`` and checked when a service is wired.
   that comes back under the same name re-reads its own pending entries first, and entries idle
   longer than the visibility timeout are claimed by another consumer (``claim_idle``), which
   raises their delivery count. Nothing is lost when a consumer dies; it may be delivered again.
-* **Settle.** ``dead_letter``, ``retry_later`` and ``commit_effects`` move an entry and
-  acknowledge it in one atomic step, and do nothing if the entry is no longer pending (another
-  consumer settled it): settling twice is harmless.
+* **Settle.** ``dead_letter``, ``retry_later`` and ``commit_effects`` (the state store's) move an
+  entry and acknowledge it in one atomic step, and do nothing if the entry is no longer pending
+  (another consumer settled it): settling twice is harmless.
 * **Order.** Entries of one partition are delivered in stream order. Redeliveries (retries,
   claims) may come after later entries; per-key order across failures is the runtime's job.
 * **Retention.** Queue entries are deleted when acknowledged. Topic entries are kept for the

@@ -1,12 +1,13 @@
-"""Broker URLs: the deployment namespace and redacting passwords before a URL reaches a message."""
+"""Broker URLs and local places: the deployment namespace, redacting passwords, the per-user home."""
 
 from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["default_namespace", "redact"]
+__all__ = ["default_namespace", "framework_home", "redact"]
 
 
 def default_namespace() -> str:
@@ -25,3 +26,16 @@ def redact(url: str) -> str:
         netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{port}" if port else "")
         url = urlunsplit(parts._replace(netloc=netloc))
     return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)  # redis-py also takes ?password=...
+
+
+def framework_home() -> Path:
+    """The per-user home of the embedded servers and files, never the current directory.
+
+    ``$FRAMEWORK_HOME`` when set, else ``$XDG_STATE_HOME/framework``, else ``~/.local/state/framework``.
+    """
+    home = os.environ.get("FRAMEWORK_HOME")
+    if home:
+        return Path(home).expanduser()
+    state = os.environ.get("XDG_STATE_HOME")
+    base = Path(state).expanduser() if state and Path(state).is_absolute() else Path.home() / ".local" / "state"
+    return base / "framework"

@@ -5,14 +5,15 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from broker import COMMAND, EVENT, Delivery, Envelope, GuardedWrite, Kind, derive_id
-from broker.capabilities import REDIS
+from broker.capabilities import REDIS, RedisTransaction
 from broker.codec import check_body_size
 from broker.headers import CAUSATION_ID, CORRELATION_ID
+from broker.state import Effects
 from framework._messages import Outgoing, build_envelope
-from framework.effects import RedisEffects, sql_transaction
+from framework.effects import sql_transaction
 from framework.handlers import Handler, HandlerError, Queue, Topic
 from framework.logs import get_logger
 from framework.observability import hooks
@@ -74,7 +75,7 @@ class Context:
         self._delivery = delivery
         self._handler = handler
         self._outgoing: list[Outgoing] = []
-        self._effects: RedisEffects | None = None
+        self._effects: Effects | None = None  # recorded writes: ctx.redis_transaction(), a saga step's state
         self._broker = broker
         self._staged = 0  # messages staged so far, including those moved to a SQL outbox: their positions
         self._duplicate = False  # a SQL transaction found this message already processed
@@ -154,8 +155,9 @@ class Context:
         return self._outgoing
 
     @property
-    def redis_effects(self) -> RedisEffects | None:
-        """The Redis writes this run recorded (``redis_transaction()``), if any: committed with the ack."""
+    def redis_effects(self) -> Effects | None:
+        """The writes this run recorded (``redis_transaction()``, a saga step's state), if any: committed
+        with the ack."""
         return self._effects
 
     @property
@@ -217,19 +219,29 @@ class Context:
         None on a transport without the Redis data store (``memory://``)."""
         return getattr(self._broker, "redis", None)
 
-    def redis_transaction(self) -> RedisEffects:
+    def redis_transaction(self) -> RedisTransaction:
         """Writes applied atomically with the inbox mark, outgoing messages and the ack (exactly once).
 
-        Call it once per handler run; see :class:`framework.effects.RedisEffects`.
+        Call it once per handler run; see :data:`framework.effects.RedisEffects`.
         """
-        if self._effects is None:
-            if self._broker is not None and REDIS not in self._broker.capabilities:
-                raise HandlerError(
-                    f"ctx.redis_transaction() needs the Redis transport: the {self._broker.transport} transport "
-                    "has no Redis data store (use ctx.sql_transaction, or test this handler on the embedded Valkey)"
-                )
-            self._effects = RedisEffects()
-        return self._effects
+        broker = self._broker
+        if broker is None or REDIS not in broker.capabilities:
+            transport = "no" if broker is None else f"the {broker.transport}"
+            raise HandlerError(
+                f"ctx.redis_transaction() needs the Redis transport: {transport} transport "
+                "has no Redis data store (use ctx.sql_transaction, or test this handler on the embedded Valkey)"
+            )
+        if self._effects is None:  # (else made by the Redis transport too, for a saga step's state)
+            self._effects = broker.effects()
+        return cast(RedisTransaction, self._effects)
+
+    def _state_effects(self) -> Effects:
+        """The run's recorder of writes for the transport's state store (a saga step's state and timeouts):
+        the one ``redis_transaction()`` gave, if it was called (the runtime checked the capability)."""
+        effects = self._effects
+        if effects is None:
+            effects = self._effects = self._broker.effects()
+        return effects
 
     def sql_transaction(self, engine: Any) -> AbstractAsyncContextManager[Any]:
         """A SQL transaction that records this message in the inbox table with its effects (exactly once).

@@ -1,8 +1,10 @@
 """Exactly-once effects: handler writes committed atomically with the inbox mark and the ack.
 
-``ctx.redis_transaction()`` collects Redis writes; when the handler returns they run in one Lua
-call together with the handler's outgoing messages, the inbox mark and the ack. If the message
-was already processed (a duplicate that slipped past the batch check) nothing is applied.
+``ctx.redis_transaction()`` collects Redis writes in a recorder the Redis transport makes
+(``broker.redis.effects``); when the handler returns they run in one Lua call together with the
+handler's outgoing messages, the inbox mark and the ack (``commit_effects``, which a saga step's
+typed state operations go through too, on any transport with the ``state`` capability). If the
+message was already processed (a duplicate that slipped past the batch check) nothing is applied.
 
 ``ctx.sql_transaction(engine)`` runs the block in a SQL transaction that records the message in
 the inbox table; a message recorded before raises :class:`AlreadyProcessed`, which the runtime
@@ -19,9 +21,10 @@ returns once it committed (see :mod:`framework.group_commit`, which says when a 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
+from broker.capabilities import RedisTransaction
 from framework._sql_block import AlreadyProcessed
 
 if TYPE_CHECKING:
@@ -32,44 +35,11 @@ if TYPE_CHECKING:
 __all__ = ["AlreadyProcessed", "RedisEffects", "sql_transaction"]
 
 
-class RedisEffects:
-    """Redis writes recorded by a handler, applied atomically when it succeeds.
-
-    ``tx.call("HINCRBY", key, field, 5)`` or ``tx.hincrby(key, field, 5)``. The first argument
-    is taken as the key; pass ``keys=[...]`` for commands that touch several. Writes are applied
-    after the handler returns, so read current values before (``ctx.redis``). On a Redis Cluster
-    every key must carry the message's hash tag (``ctx.hash_tag``).
-    """
-
-    def __init__(self) -> None:
-        self.commands: list[tuple[Any, ...]] = []
-        self.keys: list[str] = []
-        self.applied: list[Callable[[], object]] = []  # run once the commit applied the writes
-
-    def after_commit(self, fn: Callable[[], object]) -> None:
-        """Run ``fn()`` in the worker once these writes were applied (not when the message turned out a
-        duplicate, a guard failed, the commit failed or its outcome is unknown)."""
-        self.applied.append(fn)
-
-    def call(self, command: str, *args: Any, keys: Sequence[str] | None = None) -> None:
-        """Record one write command."""
-        self.commands.append((command, *args))
-        if keys is not None:
-            self.keys += keys
-        elif args:
-            self.keys.append(str(args[0]))
-
-    def expect(self, key: str, field: str, value: str | int | None) -> None:
-        """A guard: apply nothing unless hash field ``key``/``field`` still holds ``value`` (None:
-        absent) at commit. A changed value makes the commit raise
-        :class:`~broker.errors.EffectsConflict` having written, sent and acked nothing."""
-        self.commands.append(("__EXPECT__", key, field, "" if value is None else str(value)))
-        self.keys.append(key)
-
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *args, keys=None: self.call(name.upper(), *args, keys=keys)
+RedisEffects = RedisTransaction
+"""What ``ctx.redis_transaction()`` returns: the Redis transport's recorder of Redis writes
+(``broker.redis.effects.RedisEffects``), typed by :class:`broker.capabilities.RedisTransaction`:
+``tx.call("HINCRBY", key, field, 5)`` or ``tx.hincrby(key, field, 5)``, ``tx.expect(key, field,
+value)`` (a guard), ``tx.after_commit(fn)``."""
 
 
 def sql_transaction(ctx: SqlRun, engine: AsyncEngine) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:

@@ -38,8 +38,8 @@ class DatabaseUnavailable(Exception):
 
 
 def default_sqlite_path() -> Path:
-    """``outbox.db`` in :func:`broker.redis.framework_home` (``$FRAMEWORK_HOME`` or the per-user state directory)."""
-    from broker.redis import framework_home
+    """``outbox.db`` in :func:`broker.urls.framework_home` (``$FRAMEWORK_HOME`` or the per-user state directory)."""
+    from broker.urls import framework_home
 
     return framework_home() / "outbox.db"
 

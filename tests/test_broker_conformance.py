@@ -3,8 +3,9 @@
 Runs each check of :data:`broker.conformance.CHECKS` against each transport of :data:`TRANSPORTS`
 (as Watermill's ``pubsub/tests`` run every test against each Pub/Sub's constructor and its
 ``Features``): a check needing a feature the transport does not claim is skipped with the reason.
-What only the Redis transport offers or stores (keys, Lua scripts, ``commit_effects`` with raw
-commands) is checked in ``tests/test_redis_transport.py``.
+What only the Redis transport offers or stores (keys, Lua scripts, ``commit_effects`` of Redis
+commands, typed state operations as the commands they become) is checked in
+``tests/test_redis_transport.py``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import attrs
 import pytest
 
 from broker import derive_id, now_ms
+from broker.redis.effects import RedisEffects
 from framework import Context, Queue, RetryPolicy, Service, Topic
 from framework.testing import TEST_SETTINGS, ServiceHarness
 
@@ -113,9 +114,7 @@ async def test_redis_transaction_applies_effects_once_with_outgoing_messages(red
             view.stream, {"id": incoming, "type": "dict", "body": b'{"account":"a","amount":5}', "ts": now_ms()}
         )
         [copy] = await h.broker.read(view, "someone-else", 10, 10)
-        applied = await h.broker.commit_effects(
-            copy, [("HINCRBY", f"{namespace}:balances", "a", 5)], [f"{namespace}:balances"]
-        )
+        applied = await h.broker.commit_effects(copy, RedisEffects.of(("HINCRBY", f"{namespace}:balances", "a", 5)))
         assert applied is False
         assert await h.broker.redis.hget(f"{namespace}:balances", "a") == b"12"
         assert (await h.broker.stream_groups(view.stream))[0]["pending"] == 0

@@ -16,6 +16,7 @@ from broker import DestinationSpec, Envelope, connect, now_ms
 from broker.ids import derive_id, new_id
 from broker.protocol import GroupPartition
 from broker.redis import RedisBroker
+from broker.redis.effects import RedisEffects
 from broker.redis.inspect import INBOX_BYTES_PER_ID, describe, inbox_memory
 from broker.redis.keys import INBOX_SLOT_MS, compact_id, inbox_record, inbox_records, inbox_slot
 from framework import Service
@@ -72,12 +73,12 @@ async def test_compact_ids_follow_the_scripts_rule(broker: RedisBroker) -> None:
     await broker.publish([Envelope(destination="mem.q", kind="command", type="t", body=b"{}", id=v7)])
     [d] = await broker.read(view, "c", 10, 10)
     assert await claim(broker, view, [v7]) == [1]
-    assert await broker.commit_effects(d, [("SET", f"{view.keys.inbox}x", "1")], [f"{view.keys.inbox}x"]) is False
+    assert await broker.commit_effects(d, RedisEffects.of(("SET", f"{view.keys.inbox}x", "1"))) is False
     other = uuid7_at(now_ms())
     await broker.publish([Envelope(destination="mem.q", kind="command", type="t", body=b"{}", id=other)])
     [d2] = await broker.read(view, "c", 10, 10)
     assert await claim(broker, view, [other]) == [0]  # leased
-    assert await broker.commit_effects(d2, [], []) is True
+    assert await broker.commit_effects(d2, RedisEffects()) is True
     assert await claim(broker, view, [other]) == [1]  # the Lua-made record, found by the Python-made form
     assert await broker.redis.zscore(view.keys.inbox, other) is None  # its lease went with the commit
 

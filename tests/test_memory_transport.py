@@ -32,10 +32,12 @@ from broker.capabilities import (
     OWNERSHIP,
     REDIS,
     SCHEDULING,
+    STATE,
     DeadLetterAdmin,
     InboxStore,
     PartitionOwnership,
     Scheduler,
+    StateStore,
     as_introspection,
     as_redis,
 )
@@ -97,9 +99,10 @@ async def queue(
 async def test_connect_by_url_gives_the_memory_transport_with_its_capabilities(url: str) -> None:
     b = await broker_pkg.connect(url, namespace="t")
     assert isinstance(b, MemoryBroker) and b.transport == "memory" and b.namespace == "t" and b.url == url
-    assert b.capabilities == {INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, INTROSPECTION}
+    assert b.capabilities == {INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, INTROSPECTION, STATE}
     assert REDIS not in b.capabilities
-    assert all(isinstance(b, p) for p in (InboxStore, PartitionOwnership, Scheduler, DeadLetterAdmin, Introspection))
+    protocols = (InboxStore, PartitionOwnership, Scheduler, DeadLetterAdmin, Introspection, StateStore)
+    assert all(isinstance(b, p) for p in protocols)
     assert b.channel() is None and b.max_body_bytes == 1024 * 1024
     with pytest.raises(TypeError, match="memory transport has no 'redis'"):
         as_redis(b)

@@ -17,6 +17,7 @@ import pytest
 
 from broker import ConfigurationError, DestinationSpec, Envelope, LeaseLost
 from broker.redis import RedisBroker
+from broker.redis.effects import RedisEffects
 from framework.runtime.ownership import assign
 from tests.ordered_workload import run_ordered_workload
 from tests.workers import Workers
@@ -85,7 +86,7 @@ async def test_a_stale_owner_gets_every_ack_and_settle_refused(broker: RedisBrok
         lambda: broker.ack(view, [d0], inbox=True, token=stale),
         lambda: broker.retry_later(d1, 0, token=stale),
         lambda: broker.dead_letter(d2, {"dlq-reason": "x"}, token=stale),
-        lambda: broker.commit_effects(d3, [["SET", effects_key, "1"]], [effects_key], token=stale),
+        lambda: broker.commit_effects(d3, RedisEffects.of(("SET", effects_key, "1")), token=stale),
     ):
         with pytest.raises(LeaseLost):
             await call()
@@ -106,7 +107,7 @@ async def test_a_stale_owner_gets_every_ack_and_settle_refused(broker: RedisBrok
     assert await broker.ack(view, taken[:1], token=current) == 1
     assert await broker.retry_later(taken[1], 0, token=current)
     assert await broker.dead_letter(taken[2], {"dlq-reason": "x"}, token=current) is not None
-    assert await broker.commit_effects(taken[3], [["SET", effects_key, "1"]], [effects_key], token=current)
+    assert await broker.commit_effects(taken[3], RedisEffects.of(("SET", effects_key, "1")), token=current)
     assert await broker.redis.get(effects_key) == b"1"
     # without a token (an unowned destination) nothing is checked
     await broker.publish([Envelope(destination="own.fenced", kind="command", type="T", key="k", body=b"{}")])

@@ -3,8 +3,9 @@
 The transport-neutral promises of ``broker/protocol.py`` are checked on every transport by the
 conformance kit (``tests/test_broker_conformance.py``). Here: what can only be seen in Redis keys
 (idempotency keys' expiry, inbox leases, entry id order), the ``redis`` capability
-(``commit_effects`` with raw commands and the ``__EXPECT__`` guard, the shared-write batchers,
-``read_shared``/``read_hashes``, the ``cluster`` flag), and the structure checks: RedisBroker has
+(``commit_effects`` of the recorder behind ``ctx.redis_transaction()``: Redis commands with a guard,
+the shared-write batchers, ``read_shared``/``read_hashes`` behind the state store's reads, the
+``cluster`` flag), and the structure checks: RedisBroker has
 every member of the core protocol and of each capability it declares, its role mixins define
 each name once, and framework code calls on a broker nothing beyond those protocols.
 """
@@ -17,15 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import orjson
 import pytest
 
-from broker import Broker, DestinationSpec, EffectsFailed, Envelope, now_ms
-from broker.capabilities import RedisStore, as_redis
+from broker import Broker, DestinationSpec, EffectsFailed, Envelope, new_id, now_ms
+from broker.capabilities import RedisStore, StateStore, as_redis
 from broker.codec import encode_fields
 from broker.conformance.members import CAPABILITY_PROTOCOLS, member_problems, protocol_members
+from broker.headers import DELIVER_AT
 from broker.redis import RedisBroker
 from broker.redis.broker import ROLES
+from broker.redis.effects import RedisEffects, as_bytes, msgpack_strings
+from broker.state import DeleteKey, ExpireKey, ScheduleMessage, SetFields
 
 pytestmark = pytest.mark.anyio
 
@@ -127,7 +132,7 @@ async def test_effects_failing_half_way_are_dead_lettered_once_and_never_applied
     outgoing = [event("wallet.credited", 1)]
     reason = {"dlq-handler": "wallet.credit", "dlq-attempts": "1", "dlq-reason": "overwritten by the script"}
     with pytest.raises(EffectsFailed) as failed:
-        await broker.commit_effects(d, commands, [balances, wrong], outgoing, reason=reason)
+        await broker.commit_effects(d, RedisEffects.of(*commands), outgoing, reason=reason)
     assert failed.value.applied == 1 and failed.value.error.startswith("WRONGTYPE")
     assert await broker.redis.hgetall(balances) == {b"a": b"100"}  # the first write stays: no rollback
     [(dlq_id, fields)] = await broker.dead_letter_entries(view)
@@ -153,7 +158,7 @@ async def test_effects_failing_half_way_are_dead_lettered_once_and_never_applied
     assert credited is None or await broker.redis.xlen(broker.keyspace.partition("wallet.credited", 0).stream) == 0
 
     # the same commit again (a retry, a second consumer): the entry is settled, nothing is applied
-    assert await broker.commit_effects(d, commands[:1], [balances], reason=reason) is False
+    assert await broker.commit_effects(d, RedisEffects.of(*commands[:1]), reason=reason) is False
     assert await broker.redis.hgetall(balances) == {b"a": b"100"}
     assert len(await broker.dead_letter_entries(view)) == 1
 
@@ -168,7 +173,7 @@ async def test_effects_failing_at_the_first_command_are_dead_lettered_with_nothi
 ) -> None:
     view, d, balances, wrong = await effects_fixture(broker, namespace)
     with pytest.raises(EffectsFailed) as failed:
-        await broker.commit_effects(d, [("HSET", wrong, "f", "v"), ("HINCRBY", balances, "a", 1)], [balances, wrong])
+        await broker.commit_effects(d, RedisEffects.of(("HSET", wrong, "f", "v"), ("HINCRBY", balances, "a", 1)))
     assert failed.value.applied == 0 and await broker.redis.exists(balances) == 0
     [(_, fields)] = await broker.dead_letter_entries(view)
     assert fields[b"dlq-reason"].startswith(b"effects not applied: Redis command 1 of 2 (HSET) failed: WRONGTYPE")
@@ -188,10 +193,10 @@ async def test_effects_dead_letters_keep_when_the_message_first_failed(broker: R
     await broker.publish([command("wallet.credit", 2)])
     first, second = await broker.read(view, "a", 10, 10)
     with pytest.raises(EffectsFailed):
-        await broker.commit_effects(first, [("HSET", wrong, "f", "v")], [wrong])
+        await broker.commit_effects(first, RedisEffects.of(("HSET", wrong, "f", "v")))
     with pytest.raises(EffectsFailed):
         await broker.commit_effects(
-            second, [("HSET", wrong, "f", "v")], [wrong], reason={"dlq-first-failed-at": "1700000000123"}
+            second, RedisEffects.of(("HSET", wrong, "f", "v")), reason={"dlq-first-failed-at": "1700000000123"}
         )
     letters = {fields[b"dlq-entry-id"]: fields for _, fields in await broker.dead_letter_entries(view)}
     assert letters[first.entry_id.encode()][b"dlq-first-failed-at"] == b"1700000000000"
@@ -203,7 +208,7 @@ async def test_effects_of_a_deleted_entry_are_dead_lettered_as_empty(broker: Red
     view, d, balances, wrong = await effects_fixture(broker, namespace)
     await broker.redis.xdel(view.stream, d.entry_id)  # gone while pending
     with pytest.raises(EffectsFailed):
-        await broker.commit_effects(d, [("HINCRBY", balances, "a", 1), ("LPUSH", wrong, "x")], [balances, wrong])
+        await broker.commit_effects(d, RedisEffects.of(("HINCRBY", balances, "a", 1), ("LPUSH", wrong, "x")))
     [(_, fields)] = await broker.dead_letter_entries(view)
     assert fields[b"dlq-empty"] == b"1" and b"(LPUSH)" in fields[b"dlq-reason"]
 
@@ -220,14 +225,17 @@ async def test_concurrent_commits_share_writes_and_keep_their_own_outcomes(broke
     outcomes: dict[int, object] = {}
 
     async def commit(i: int, d: object) -> None:
+        tx = broker.effects()
         if i % 5 == 0:  # a guard that does not hold: nothing written, the entry stays pending
-            commands = [("__EXPECT__", balances, "guard", "x"), ("HINCRBY", balances, "n", 1)]
+            tx.expect(balances, "guard", "x")
+            tx.hincrby(balances, "n", 1)
         elif i % 5 == 1:  # fails half-way: dead-lettered by the same call
-            commands = [("HINCRBY", balances, "partial", 1), ("HSET", wrong, "f", "v")]
+            tx.hincrby(balances, "partial", 1)
+            tx.hset(wrong, "f", "v")
         else:
-            commands = [("HINCRBY", balances, "n", 1)]
+            tx.hincrby(balances, "n", 1)
         try:
-            outcomes[i] = await broker.commit_effects(d, commands, [balances, wrong])  # type: ignore[arg-type]
+            outcomes[i] = await broker.commit_effects(d, tx)  # type: ignore[arg-type]
         except Exception as exc:
             outcomes[i] = type(exc).__name__
 
@@ -241,7 +249,7 @@ async def test_concurrent_commits_share_writes_and_keep_their_own_outcomes(broke
     assert await broker.redis.hgetall(balances) == {b"n": b"90", b"partial": b"30"}
     assert len(await broker.dead_letter_entries(view)) == 30
     assert (await broker.stream_groups(view.stream))[0]["pending"] == 30  # the conflicts, to run again
-    assert await broker.commit_effects(deliveries[2], [("HINCRBY", balances, "n", 1)], [balances]) is False
+    assert await broker.commit_effects(deliveries[2], RedisEffects.of(("HINCRBY", balances, "n", 1))) is False
     assert await broker.redis.hget(balances, "n") == b"90"  # a duplicate applies nothing
     if isinstance(broker, RedisBroker) and not broker.cluster:
         batcher = broker._commit_batcher()
@@ -261,11 +269,11 @@ async def test_cancelled_commits_leave_the_shared_writes_working(broker: RedisBr
         with anyio.move_on_after(0.001 * round_):
             async with anyio.create_task_group() as tg:
                 for d in deliveries[round_ * 20 : round_ * 20 + 20]:
-                    tg.start_soon(broker.commit_effects, d, [("HINCRBY", counts, d.message_id, 1)], [counts])
+                    tg.start_soon(broker.commit_effects, d, RedisEffects.of(("HINCRBY", counts, d.message_id, 1)))
     with anyio.fail_after(10):  # the rest go through, each applied once
         async with anyio.create_task_group() as tg:
             for d in deliveries[100:]:
-                tg.start_soon(broker.commit_effects, d, [("HINCRBY", counts, d.message_id, 1)], [counts])
+                tg.start_soon(broker.commit_effects, d, RedisEffects.of(("HINCRBY", counts, d.message_id, 1)))
     values = await broker.redis.hgetall(counts)
     assert all(v == b"1" for v in values.values())  # sent or not, never twice
     assert {d.message_id.encode() for d in deliveries[100:]} <= set(values)
@@ -299,7 +307,7 @@ async def test_a_caller_cancelled_as_it_is_handed_the_next_write_passes_it_on(
     tasks: dict[str, asyncio.Task[Any]] = {}
 
     async def first() -> None:
-        await broker.commit_effects(a, [("HINCRBY", counts, "a", 1)], [counts])
+        await broker.commit_effects(a, RedisEffects.of(("HINCRBY", counts, "a", 1)))
         # b was handed the slot as a's write ended and has not run yet: cancel it now, as an
         # asyncio timeout (a handler's) would (anyio's scopes wait until it has run)
         tasks["b"].cancel()
@@ -308,7 +316,7 @@ async def test_a_caller_cancelled_as_it_is_handed_the_next_write_passes_it_on(
         tasks["a"] = asyncio.create_task(first())
         await asyncio.sleep(0)  # a's write is in flight
         for name, d in (("b", b), ("c", c)):
-            tasks[name] = asyncio.create_task(broker.commit_effects(d, [("HINCRBY", counts, name, 1)], [counts]))
+            tasks[name] = asyncio.create_task(broker.commit_effects(d, RedisEffects.of(("HINCRBY", counts, name, 1))))
         await asyncio.wait(tasks.values())
     assert tasks["b"].cancelled() and tasks["c"].result() is True
     assert await broker.redis.hgetall(counts) == {b"a": b"1", b"c": b"1"}  # b's was never sent
@@ -333,7 +341,7 @@ async def test_two_copies_committed_in_one_script_call_apply_once(broker: RedisB
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             for d in (first, one, again):
-                tg.start_soon(broker.commit_effects, d, [("HINCRBY", counts, d.message_id, 1)], [counts])
+                tg.start_soon(broker.commit_effects, d, RedisEffects.of(("HINCRBY", counts, d.message_id, 1)))
     assert batcher.calls == 3 and batcher.batches == 2
     assert await broker.redis.hget(counts, one.message_id) == b"1"  # applied once
     assert (await broker.stream_groups(view.stream))[0]["pending"] == 0  # both entries acked
@@ -352,7 +360,7 @@ async def test_one_entry_committed_twice_in_one_script_call_applies_once(broker:
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             for d in (first, one, one, other):
-                tg.start_soon(broker.commit_effects, d, [("HINCRBY", counts, d.message_id, 1)], [counts])
+                tg.start_soon(broker.commit_effects, d, RedisEffects.of(("HINCRBY", counts, d.message_id, 1)))
     assert batcher.calls == 4 and batcher.batches == 2
     assert await broker.redis.hgetall(counts) == {d.message_id.encode(): b"1" for d in (first, one, other)}
     assert (await broker.stream_groups(view.stream))[0]["pending"] == 0
@@ -362,7 +370,7 @@ async def test_one_entry_committed_twice_in_one_script_call_applies_once(broker:
 async def test_reads_from_many_tasks_share_writes_and_get_their_own_replies(
     broker: RedisBroker, namespace: str
 ) -> None:
-    """Saga steps read their state with ``read_shared``: 200 concurrent reads, each its own reply
+    """Saga steps read their state with ``read_state`` (``read_shared``): 200 concurrent reads, each its own reply
     (an error reply raised in its own caller only), in fewer writes than reads."""
     if not isinstance(broker, RedisBroker):
         pytest.skip("read_shared is the Redis broker's")
@@ -394,7 +402,7 @@ async def test_reads_from_many_tasks_share_writes_and_get_their_own_replies(
 
 
 async def test_hashes_are_read_together_in_one_call(broker: RedisBroker, namespace: str) -> None:
-    """A saga reads a fetched batch's states ahead with ``read_hashes``: each key's fields in
+    """A saga reads a fetched batch's states ahead with ``read_states`` (``read_hashes``): each key's fields in
     order, None for a missing field or hash, None for the row of a key that is not a hash (the
     others are still read), on a fetcher's channel as through the client."""
     if not isinstance(broker, RedisBroker):
@@ -413,6 +421,65 @@ async def test_hashes_are_read_together_in_one_call(broker: RedisBroker, namespa
             assert await broker.read_hashes(keys, ("v", "s", "t", "done"), channel=channel) == expected
         finally:
             await channel.aclose()
+
+
+# -- the state capability: typed operations are the commands the saga wrote itself before -------------
+
+
+async def test_typed_state_operations_become_the_same_commands_in_one_commit(broker: RedisBroker) -> None:
+    """A saga step's typed operations reach ``commit_effects.lua`` as exactly the commands it recorded
+    itself before the seam (guard, HSET, DEL, PEXPIRE; a timeout's ZADD and HSET of the partition's
+    scheduled keys), in the order recorded, in one script call; a scheduled entry is packed as
+    ``schedule_add.lua`` packs it (the mover reads both alike)."""
+    if broker.cluster:
+        pytest.skip("the batcher is the Redis broker's on a single node")
+    spec = await broker.declare(DestinationSpec("saga.ops", "command"))
+    [view] = await broker.subscribe(spec, "g")
+    await broker.publish([command("saga.ops", 1, key="o-1")])
+    [d] = await broker.read(view, "c", 10, 10)
+    key = broker.state_key("saga.ops", 0, "o-1")
+    assert key == f"{view.stream}:saga:o-1"  # the layout: under the partition's hash tag
+    due = now_ms() + 60_000
+    timeout = Envelope(destination="saga.ops", kind="command", type="T", body=b"{}", key="o-1")
+    timeout.headers[DELIVER_AT] = str(due)
+    tx = broker.effects()
+    tx.hincrby(f"{view.stream}:mine", "n", 1)  # the handler's own command, in its place
+    tx.expect(key, "v", None)
+    tx.add(SetFields(key, {"v": 1, "s": b"{}", "t": b"{}"}))
+    tx.add(ScheduleMessage(timeout, due))
+    tx.add(DeleteKey(key))
+    tx.add(ExpireKey(key, 5000))
+    batcher = broker._commit_batcher()
+    assert batcher is not None
+    sent: list[list[Any]] = []
+    call = batcher.call
+
+    async def spy(source: Any, keys: Any, part: list[Any]) -> Any:
+        sent.append(part)
+        return await call(source, keys, part)
+
+    batcher.call = spy  # type: ignore[method-assign]
+    assert await broker.commit_effects(d, tx) is True
+    [part] = sent
+    assert part[3:5] == [7, 0]  # 7 commands (the timeout is two), no outgoing message
+    pkeys = broker.keyspace.partition("saga.ops", 0)
+    packed = msgpack_strings([as_bytes(f) for f in encode_fields(timeout)])
+    commands = [
+        ["HINCRBY", f"{view.stream}:mine", "n", 1],
+        ["__EXPECT__", key, "v", ""],
+        ["HSET", key, "v", 1, "s", b"{}", "t", b"{}"],
+        ["ZADD", pkeys.scheduled, due, timeout.id],
+        ["HSET", pkeys.scheduled_envelopes, timeout.id, packed],
+        ["DEL", key],
+        ["PEXPIRE", key, 5000],
+    ]
+    assert part[6 + 2 * part[5] :] == [x for c in commands for x in (len(c), *c)]
+    assert await broker.redis.zscore(broker.keyspace.scheduled_index, "saga.ops|0") == due  # the hint, lowered
+    # the packing is schedule_add.lua's: a publish of the same envelope under another id stores the same bytes
+    twin = attrs.evolve(timeout, id=new_id())
+    await broker.publish([twin])
+    stored = await broker.redis.hget(pkeys.scheduled_envelopes, twin.id)
+    assert stored == msgpack_strings([as_bytes(f) for f in encode_fields(twin)])
 
 
 # -- the cluster flag ---------------------------------------------------------------------------------
@@ -440,8 +507,12 @@ async def test_the_broker_has_every_member_of_the_core_protocol_and_of_its_capab
     checks the same through ``connect``)."""
     core = protocol_members(Broker)
     assert {"publish", "read", "ack", "route", "ensure_declared", "channel", "capabilities", "transport"} <= core
-    assert not {"redis", "cluster", "keyspace", "commit_effects"} & core  # the redis capability's, not the core's
-    assert {"redis", "cluster", "commit_effects", "read_shared", "read_hashes"} <= protocol_members(RedisStore)
+    assert (
+        not {"redis", "cluster", "keyspace", "commit_effects", "state_key"} & core
+    )  # the capabilities', not the core's
+    assert {"redis", "cluster", "effects", "commit_effects"} <= protocol_members(RedisStore)
+    assert {"state_key", "read_state", "read_states", "effects", "commit_effects"} <= protocol_members(StateStore)
+    assert not {"keyspace", "read_shared", "read_hashes"} & _all_protocol_members()  # the Redis broker's own
     assert RedisBroker.capabilities == set(CAPABILITY_PROTOCOLS) and broker.transport == "redis"
     problems = {"Broker": member_problems(broker, Broker)}
     for name in sorted(broker.capabilities):

@@ -25,7 +25,6 @@ from broker.errors import EffectsConflict
 from broker.redis import RedisBroker
 from broker.redis.keys import KeySpace
 from framework import Client, HandlerError, Service, SyncClient
-from framework.effects import RedisEffects
 from framework.saga import SAGA_INPUT, SagaContext, SagaError, SagaRetryPolicy
 from framework.testing import TEST_SETTINGS, ServiceHarness
 from tests.apps import sagaapp
@@ -50,20 +49,20 @@ async def test_a_commit_whose_version_moved_on_writes_sends_and_acks_nothing(bro
     await broker.declare(DestinationSpec("saga.out", "command"))
     await broker.redis.hset(state, mapping={"v": 2, "s": "{}"})
 
-    tx = RedisEffects()
+    tx = broker.effects()
     tx.expect(state, "v", 1)  # the step read version 1; another step has saved 2 since
     tx.hset(state, "v", 2, "s", '{"stale": true}')
     sent = Envelope(destination="saga.out", kind="command", type="t", body=b"{}", id=new_id())
     with pytest.raises(EffectsConflict, match="run the handler again"):
-        await broker.commit_effects(d, tx.commands, tx.keys, [sent])
+        await broker.commit_effects(d, tx, [sent])
     assert await broker.redis.hgetall(state) == {b"v": b"2", b"s": b"{}"}  # nothing written
     assert await broker.redis.xlen(out) == 0  # nothing sent
     assert await _pending(broker, view.stream) == 1  # not acked: the step runs again
 
-    tx = RedisEffects()
+    tx = broker.effects()
     tx.expect(state, "v", 2)
     tx.hset(state, "v", 3, "s", '{"fresh": true}')
-    assert await broker.commit_effects(d, tx.commands, tx.keys, [sent]) is True
+    assert await broker.commit_effects(d, tx, [sent]) is True
     assert await broker.redis.hget(state, "v") == b"3"
     assert await broker.redis.xlen(out) == 1
     assert await _pending(broker, view.stream) == 0
@@ -71,11 +70,11 @@ async def test_a_commit_whose_version_moved_on_writes_sends_and_acks_nothing(bro
     # expect(..., None): the field must be absent (a saga's first message)
     await broker.publish([Envelope(destination="saga.guard", kind="command", type="t", body=b"{}", id=new_id())])
     [d2] = await broker.read(view, "c", 10, 10)
-    tx = RedisEffects()
+    tx = broker.effects()
     tx.expect(state, "v", None)
     tx.hset(state, "v", 1)
     with pytest.raises(EffectsConflict):
-        await broker.commit_effects(d2, tx.commands, tx.keys)
+        await broker.commit_effects(d2, tx)
     assert await broker.redis.hget(state, "v") == b"3"
 
 
@@ -385,14 +384,14 @@ async def test_a_batch_reads_its_instances_states_ahead_and_a_stale_one_runs_aga
         journal._cached.clear()
         journal._cached_bytes = 0
         key = keys["r0"]
-        read_hashes = h.broker.read_hashes
+        read_states = h.broker.read_states
 
         async def then_moved_on(*args: Any, **kw: Any) -> Any:
-            rows = await read_hashes(*args, **kw)
+            rows = await read_states(*args, **kw)
             await h.broker.redis.hset(key, mapping={"v": 6, "s": orjson.dumps({"seq": [0, 1, 2, 3, 4, 5]})})
             return rows
 
-        h.broker.read_hashes = then_moved_on  # type: ignore[method-assign]
+        h.broker.read_states = then_moved_on  # type: ignore[method-assign]
         await h.client.send("journal.add", {"k": "r0", "s": 6}, key="r0")
         await h.run_until_idle()
         assert orjson.loads(await h.broker.redis.hget(key, "s")) == {"seq": [0, 1, 2, 3, 4, 5, 6]}

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import attrs
 import pytest
 
 from broker import BrokerUnavailable, connect, resolve_url
+from broker.capabilities import INBOX, INTROSPECTION, OWNERSHIP, SCHEDULING, as_state
+from broker.memory import reset
 from framework import Context, HandlerError, Queue, RetryPolicy, Service
-from framework.testing import ServiceHarness
+from framework.runtime.requirements import check_requirements
+from framework.saga import Saga, SagaContext
+from framework.testing import TEST_SETTINGS, ServiceHarness
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.anyio
@@ -33,21 +39,43 @@ def test_broker_url_wins_over_redis_url(monkeypatch: pytest.MonkeyPatch) -> None
     assert resolve_url("redis://127.0.0.1:6380/0") == "redis://127.0.0.1:6380/0"  # an explicit URL wins
 
 
-async def test_a_saga_keeping_its_state_in_redis_is_refused_at_start_on_memory() -> None:
+def _tiny_saga() -> tuple[Service, Saga[dict]]:
     shipping = Service("shipping")
     saga = shipping.saga("fulfilment", state=dict)
 
     @saga.command(Queue("shipping.start"), correlate=lambda m: m.order_id)
-    async def start(msg: Pay, ctx: object) -> None: ...
+    async def start(msg: Pay, ctx: SagaContext[dict]) -> None:
+        ctx.state["n"] = ctx.state.get("n", 0) + 1
 
+    return shipping, saga
+
+
+async def test_a_saga_runs_on_memory_and_is_refused_at_start_without_a_state_store() -> None:
+    """A saga keeping its state in the transport's state store needs the ``state`` capability: memory
+    has it (the saga runs); a transport without it refuses the service at start, naming the saga."""
+    shipping, saga = _tiny_saga()
+    url = "memory://saga-runs"
+    try:
+        async with ServiceHarness([shipping], url=url) as h:
+            await h.client.send("shipping.start", Pay("o-1"))
+            await h.client.send("shipping.start", Pay("o-1"))
+            await h.run_until_idle()
+            store = as_state(h.broker)
+            key = store.state_key(saga.queue.name, saga.queue.spec().partition_for("o-1", ""), "o-1")
+            assert await store.read_state(key, ("v", "s")) == [b"2", b'{"n":2}']
+    finally:
+        reset(url)
+
+    thin = SimpleNamespace(transport="thin", capabilities=frozenset({INBOX, OWNERSHIP, SCHEDULING, INTROSPECTION}))
     with pytest.raises(HandlerError) as caught:
-        async with ServiceHarness([shipping], url="memory://refusal"):
-            pass
+        check_requirements(thin, [shipping], TEST_SETTINGS)  # type: ignore[arg-type]
     message = str(caught.value)
-    assert "memory transport" in message and "'redis'" in message and "saga shipping.fulfilment" in message
+    assert "thin transport" in message and "'state'" in message and "saga shipping.fulfilment" in message
 
 
 async def test_a_redis_transaction_on_memory_dead_letters_with_the_reason() -> None:
+    """``ctx.redis_transaction()`` needs the ``redis`` capability, which memory lacks: the run fails with
+    the reason (the saga steps' own state commits go through ``state`` instead)."""
     svc = Service("ledger", retry=RetryPolicy(max_attempts=1))
 
     @svc.command("ledger.post")

@@ -35,7 +35,8 @@ transport and the capability) is asserted by ``capabilities_are_declared_honestl
 Modules, by role: ``features`` (:class:`Features`), ``registry`` (:data:`CHECKS`, :func:`run_all`),
 ``support`` (helpers), ``publishing``, ``destinations``, ``reading`` (read/ack, pending, claims),
 ``settlement`` (dead letter, retries, attempts), ``dead_letters`` (administration), ``inbox``,
-``introspection``, ``ownership``, ``scheduling``, ``retention`` and ``members`` (the protocols' members, capabilities).
+``introspection``, ``ownership``, ``scheduling``, ``state`` (the state store: guarded commits with the ack),
+``retention`` and ``members`` (the protocols' members, capabilities).
 """
 
 import importlib
@@ -54,6 +55,7 @@ ROLES = (
     "introspection",
     "ownership",
     "scheduling",
+    "state",
     "retention",
 )
 """The modules holding checks, in the order :data:`CHECKS` lists them (each registers its own on import)."""

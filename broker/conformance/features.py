@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, SCHEDULING
+from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, SCHEDULING, STATE
 from broker.protocol import Broker, GroupPartition
 
 __all__ = ["CAPABILITY_FEATURES", "BrokerFactory", "Features", "RawWriter"]
@@ -26,6 +26,7 @@ CAPABILITY_FEATURES: dict[str, str] = {
     "scheduling": SCHEDULING,
     "dead_letter_admin": DEAD_LETTER_ADMIN,
     "introspection": INTROSPECTION,
+    "state": STATE,
 }
 """Feature name -> the :mod:`broker.capabilities` name it stands for."""
 
@@ -50,6 +51,8 @@ class Features:
     """:class:`~broker.capabilities.DeadLetterAdmin`: listing, redriving, purging; unsubscribe, delete."""
     introspection: bool = False
     """:class:`~broker.introspection.Introspection`: what is stored, pending, lagging (how checks see storage)."""
+    state: bool = False
+    """:class:`~broker.capabilities.StateStore`: versioned state per key committed with the ack (sagas)."""
     retention: bool = True
     """Topics keep events for their retention: a group created at ``earliest`` replays what is kept,
     and :meth:`~broker.protocol.Settler.trim` removes only what every group acknowledged."""

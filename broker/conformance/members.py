@@ -21,6 +21,7 @@ CAPABILITY_PROTOCOLS: dict[str, tuple[type, Callable[[Broker], Any]]] = {
     caps.SCHEDULING: (caps.Scheduler, caps.as_scheduler),
     caps.DEAD_LETTER_ADMIN: (caps.DeadLetterAdmin, caps.as_dead_letter_admin),
     caps.INTROSPECTION: (Introspection, caps.as_introspection),
+    caps.STATE: (caps.StateStore, caps.as_state),
     caps.REDIS: (caps.RedisStore, caps.as_redis),
 }
 """Every capability name of :mod:`broker.capabilities`: its protocol and the function narrowing to it."""

@@ -17,16 +17,17 @@ What it promises:
   (``LeaseLost``), delayed retries and redrives to one group only, dead letters with the same fields,
   topic retention that never trims what a group has not acknowledged, queues that delete acked entries;
   and the capabilities ``inbox``, ``ownership`` (leases and heartbeats within the process),
-  ``scheduling``, ``dead_letter_admin`` and ``introspection`` (depth, pending, lag: "run until idle").
+  ``scheduling``, ``dead_letter_admin``, ``introspection`` (depth, pending, lag: "run until idle") and
+  ``state`` (versioned state per key committed with the ack: sagas run here).
 * **Blocking reads** wait on an event woken by every append (no polling) and end at ``block_ms``.
   Idle times, leases and heartbeats use the process's monotonic clock; entry ids, due times, inbox
   records and idempotency windows use Unix time, as the Redis server's clock.
 
-What it does not do: the ``redis`` capability (``ctx.redis``, effects committed with the ack, sagas'
-state in Redis); anything across processes (``framework run`` workers, ``framework status`` and the
-other CLI commands see nothing of it); connection and timeout failures (nothing fails); sharing
-between threads or event loops running at once; memory limits (retention applies only when ``trim``
-runs, as on Redis).
+What it does not do: the ``redis`` capability (``ctx.redis``, ``ctx.redis_transaction()``: a
+handler's own Redis writes committed with the ack); anything across processes (``framework run``
+workers, ``framework status`` and the other CLI commands see nothing of it); connection and timeout
+failures (nothing fails); sharing between threads or event loops running at once; memory limits
+(retention applies only when ``trim`` runs, as on Redis).
 """
 
 from __future__ import annotations

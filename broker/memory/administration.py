@@ -106,8 +106,9 @@ class Administration(Topology):
         self.registry.subscriptions.pop((spec.name, group), None)
 
     async def delete_destination(self, spec: DestinationSpec, *, force: bool = False) -> int:
-        """Delete ``spec`` with its streams, idempotency keys, scheduled messages, job state and every group's
-        retries, dead letters, inbox and counters; return how many of those held something.
+        """Delete ``spec`` with its streams, idempotency keys, scheduled messages, job state, the states kept
+        beside its partitions and every group's retries, dead letters, inbox and counters; return how many
+        of those held something.
 
         Refuses with ``ConfigurationError`` while a group is subscribed (or present on a stream) or entries
         are stored (scheduled ones count), unless ``force``. Partition leases are kept (their tokens never go
@@ -144,6 +145,10 @@ class Administration(Topology):
             for group in groups:
                 deleted += self._drop_group(self.group_partition(spec, p, group))
             self.registry.scheduled.pop((spec.name, p), None)
+            states = [key for key in self.server.hashes if key.startswith(f"{name}:saga:")]  # (the state store's)
+            for key in states:
+                self.server.delete_hash(key)
+            deleted += len(states)
         for group in groups:
             self.registry.subscriptions.pop((spec.name, group), None)
         self.registry.destinations.pop(spec.name, None)

@@ -1,37 +1,38 @@
-"""The memory transport's broker: the Broker contract and its capabilities in one process, one facade over seven roles.
+"""The memory transport's broker: the Broker contract and its capabilities in one process, one facade over eight roles.
 
 As :class:`broker.redis.RedisBroker`, :class:`MemoryBroker` is made of role mixins over
 :class:`~broker.memory.core.MemoryCore` (topology, publishing with scheduling, reading, leases,
-settlement, administration, introspection), each in its module of ``broker/memory/``; the state lives in the
+settlement, state, administration, introspection), each in its module of ``broker/memory/``; the state lives in the
 :class:`~broker.memory.server.MemoryServer` every broker connected to one ``memory://NAME`` shares.
 """
 
 from __future__ import annotations
 
-from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, SCHEDULING
+from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, SCHEDULING, STATE
 from broker.memory.administration import Administration
 from broker.memory.introspection import Inspection
 from broker.memory.leases import Leases
 from broker.memory.publishing import Publishing
 from broker.memory.reading import Reading
 from broker.memory.settlement import Settlement
+from broker.memory.state import StateStorage
 
 __all__ = ["ROLES", "MemoryBroker"]
 
-ROLES: tuple[type, ...] = (Publishing, Reading, Settlement, Administration, Leases, Inspection)
-"""The role mixins :class:`MemoryBroker` is made of (topology comes in through three of them; leases
-build on reading)."""
+ROLES: tuple[type, ...] = (Publishing, Reading, Settlement, StateStorage, Administration, Leases, Inspection)
+"""The role mixins :class:`MemoryBroker` is made of (topology comes in through four of them; leases
+build on reading, state on scheduling)."""
 
 
-class MemoryBroker(Publishing, Leases, Reading, Settlement, Administration, Inspection):
+class MemoryBroker(Publishing, Leases, Reading, Settlement, StateStorage, Administration, Inspection):
     """Broker in this process's memory. Use :func:`broker.memory.connect_memory` (or
     ``broker.connect("memory://NAME")``) to build one.
 
     Belongs to one event loop at a time, like any broker; any number of its tasks may call it at once.
     Keeps the :class:`~broker.Broker` contract with the semantics of the Redis transport, and the
-    capabilities ``inbox``, ``ownership`` (within this process), ``scheduling``, ``dead_letter_admin`` and
-    ``introspection``.
+    capabilities ``inbox``, ``ownership`` (within this process), ``scheduling``, ``dead_letter_admin``,
+    ``introspection`` and ``state`` (sagas).
     """
 
     transport = "memory"
-    capabilities = frozenset({INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, INTROSPECTION})
+    capabilities = frozenset({INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, INTROSPECTION, STATE})

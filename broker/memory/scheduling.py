@@ -43,6 +43,13 @@ class Scheduling(Topology):
             state.remember(idem, now, window)
         return env.id
 
+    def _store_scheduled(self, destination: str, partition: int, env: Envelope, due: int) -> None:
+        """Store ``env`` until ``due`` as a state commit does (:class:`~broker.state.ScheduleMessage`): one
+        of its id scheduled already is replaced (the Redis commit's ZADD and HSET)."""
+        self.registry.scheduled.setdefault((destination, partition), None)
+        state = self.server.partition(self.partition_stream(destination, partition))
+        state.scheduled[env.id] = (due, flatten(encode_fields(env)))
+
     def _scheduled_states(self, destination: str | None = None) -> list[tuple[str, int, PartitionState]]:
         """The indexed partitions (of ``destination``, if given) with their state."""
         out = []

@@ -8,7 +8,7 @@ import attrs
 
 from broker.errors import ConfigurationError
 from broker.memory.inbox import Inbox
-from broker.memory.streams import Stream
+from broker.memory.streams import Stream, wall_ms
 from broker.topology import DestinationSpec
 
 __all__ = [
@@ -103,7 +103,8 @@ class MemoryServer:
         self.groups: dict[tuple[str, str], GroupState] = {}  # (partition stream, group) -> its other state
         self.leases: dict[tuple[str, str], Lease] = {}  # (partition stream, group) -> lease (tokens kept)
         self.registries: dict[str, Registry] = {}
-        self.hashes: dict[str, dict[bytes, bytes]] = {}  # hashes written by guarded writes (GuardedWrite.key)
+        self.hashes: dict[str, dict[bytes, bytes]] = {}  # states: guarded writes (GuardedWrite.key), commits
+        self.expiries: dict[str, int] = {}  # hash key -> when it expires (Unix ms; ExpireKey)
 
     def __repr__(self) -> str:
         return f"MemoryServer({self.name!r}, {len(self.streams)} streams)"
@@ -144,8 +145,23 @@ class MemoryServer:
         return lease
 
     def hash(self, key: str) -> dict[bytes, bytes]:
-        """A copy of the hash ``key`` that guarded writes (``Delivery.settle_write``) wrote ({} when none)."""
-        return dict(self.hashes.get(key, {}))
+        """A copy of the hash ``key`` that guarded writes (``Delivery.settle_write``) and state commits
+        wrote ({} when none, or expired)."""
+        return dict(self.live_hash(key, wall_ms()) or {})
+
+    def live_hash(self, key: str, now: int) -> dict[bytes, bytes] | None:
+        """The hash ``key`` itself (None when there is none), dropped first if it expired by ``now``."""
+        expiry = self.expiries.get(key)
+        if expiry is not None and expiry <= now:
+            del self.expiries[key]
+            self.hashes.pop(key, None)
+            return None
+        return self.hashes.get(key)
+
+    def delete_hash(self, key: str) -> None:
+        """Delete the hash ``key`` with its expiry."""
+        self.hashes.pop(key, None)
+        self.expiries.pop(key, None)
 
 
 _SERVERS: dict[str, MemoryServer] = {}

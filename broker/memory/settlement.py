@@ -90,6 +90,7 @@ class Settlement(Topology):
             elif mid is not None and (seen[mid] or mid in done):
                 w.outcome = GuardedWrite.SKIPPED  # processed before: a duplicate
             else:
+                self.server.live_hash(w.key, now)  # (an expired one is gone)
                 target = self.server.hashes.setdefault(w.key, {})
                 if target.get(w.guard.encode(), b"") != as_bytes(w.expected):
                     w.outcome = GuardedWrite.CONFLICT
@@ -101,7 +102,7 @@ class Settlement(Topology):
                     if mid is not None:
                         done.add(mid)
                 if not target:
-                    del self.server.hashes[w.key]
+                    self.server.delete_hash(w.key)
         return held
 
     async def count_attempt(self, delivery: Delivery) -> int:

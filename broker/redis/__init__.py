@@ -8,7 +8,9 @@ not its role modules. Each role is a mixin over
     topology.py        declare, route/ensure_declared (declare on first use), subscribe
     publishing.py      publish (batches, idempotency keys, the body size limit)
     reading.py         group reads, own pending, claims, leases (extend), the inbox check, channels
-    settlement.py      ack, commit_effects, attempts, dead letter, retry later, due retries, retention
+    settlement.py      ack, attempts, dead letter, retry later, due retries, retention
+    state.py           versioned state per key (sagas) and commit_effects: effects committed with the ack
+    effects.py         the recorder behind ctx.redis_transaction(), typed state operations as commands
     administration.py  dead letters (list, redrive, purge), unsubscribe, delete a destination
     leases.py          partition ownership: instances' heartbeats, partition leases, take-over of pending entries
     scheduling.py      scheduled messages (stored until due, moved atomically, cancelled) and job ticks

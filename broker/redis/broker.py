@@ -1,36 +1,37 @@
 """The Redis Streams transport: the Broker contract on Redis >= 6.2 or Valkey (single node or Cluster).
 
-:class:`RedisBroker` is one facade over six roles, each a module of ``broker/redis/`` named for
-its job (topology, publishing, reading, settlement, administration, leases). Why mixins rather than a
-facade forwarding to five role objects:
+:class:`RedisBroker` is one facade over seven roles, each a module of ``broker/redis/`` named for its
+job (topology, publishing, reading, settlement, state, administration, leases). Why mixins rather than
+a facade forwarding to role objects:
 
 * the public methods stay exactly what they were (same names, signatures, docstrings and code),
   with no forwarding layer on the hot path (read, inbox check, ack run per batch) and no second
   copy of each signature to keep in step;
 * the roles share one state (client, registry cache, partition key cache, scripts), declared once
   in :class:`~broker.redis.core.RedisCore`; a role reads only that state and the roles it
-  inherits from (publishing, settlement and administration need topology's :meth:`route`), and
+  inherits from (publishing, settlement, state and administration need topology's :meth:`route`), and
   no two roles define the same name (``tests/test_broker_conformance.py`` checks it).
 """
 
 from __future__ import annotations
 
-from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, REDIS, SCHEDULING
+from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, REDIS, SCHEDULING, STATE
 from broker.redis.administration import Administration
 from broker.redis.inspect import Inspection
 from broker.redis.leases import Leases
 from broker.redis.publishing import Publishing
 from broker.redis.reading import Reading
 from broker.redis.settlement import Settlement
+from broker.redis.state import StateStorage
 
 __all__ = ["ROLES", "RedisBroker"]
 
-ROLES: tuple[type, ...] = (Publishing, Reading, Settlement, Administration, Leases, Inspection)
-"""The role mixins :class:`RedisBroker` is made of (topology comes in through three of them; leases
-build on reading)."""
+ROLES: tuple[type, ...] = (Publishing, Reading, Settlement, StateStorage, Administration, Leases, Inspection)
+"""The role mixins :class:`RedisBroker` is made of (topology comes in through four of them; leases
+build on reading, state on scheduling)."""
 
 
-class RedisBroker(Publishing, Leases, Reading, Settlement, Administration, Inspection):
+class RedisBroker(Publishing, Leases, Reading, Settlement, StateStorage, Administration, Inspection):
     """Broker on Redis Streams. Use :func:`broker.connect` to build one from a URL.
 
     One instance is safe to share between tasks of one event loop (not between threads or event
@@ -41,4 +42,4 @@ class RedisBroker(Publishing, Leases, Reading, Settlement, Administration, Inspe
     """
 
     transport = "redis"
-    capabilities = frozenset({INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, INTROSPECTION, REDIS})
+    capabilities = frozenset({INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, INTROSPECTION, STATE, REDIS})

@@ -40,21 +40,9 @@ from typing import cast
 import attrs
 
 from broker.errors import BrokerUnavailable
+from broker.urls import framework_home
 
 __all__ = ["EmbeddedServer", "ServerStatus", "default_data_dir", "framework_home", "local_url"]
-
-
-def framework_home() -> Path:
-    """The per-user home of the embedded servers and files, never the current directory.
-
-    ``$FRAMEWORK_HOME`` when set, else ``$XDG_STATE_HOME/framework``, else ``~/.local/state/framework``.
-    """
-    home = os.environ.get("FRAMEWORK_HOME")
-    if home:
-        return Path(home).expanduser()
-    state = os.environ.get("XDG_STATE_HOME")
-    base = Path(state).expanduser() if state and Path(state).is_absolute() else Path.home() / ".local" / "state"
-    return base / "framework"
 
 
 def default_data_dir() -> Path:

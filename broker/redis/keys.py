@@ -39,8 +39,9 @@ MULTI that touch a stream and its group keys stay on one Cluster node::
                                                        fired (ms), fired = ticks fired (job_tick.lua)
     <ns>:scheduled                             zset    index of partitions holding scheduled messages: member =
                                                        "<dest>|<p>", score = a hint of the earliest due ms
-    <ns>:{<dest>:<p>}:saga:<correlation id>    hash    a saga instance's state on its queue <service>.saga.<name>
-                                                       (framework/saga.py): v = version, s = state JSON, t = pending
+    <ns>:{<dest>:<p>}:saga:<correlation id>    hash    a state of the state store (broker/redis/state.py): a saga
+                                                       instance's on its queue <service>.saga.<name>
+                                                       (framework/saga/): v = version, s = state JSON, t = pending
                                                        timeout ids; after completion v and done = 1, with an expiry
 
 ``<ns>`` (default ``fw``) separates deployments and test runs sharing one server.

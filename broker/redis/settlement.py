@@ -1,4 +1,4 @@
-"""The broker's settlement role: ack, commit effects, count attempts, dead-letter, retry later, retention.
+"""The broker's settlement role: ack, count attempts, dead-letter, retry later, retention (effects: ``state.py``).
 
 Every step that settles a delivery is one script call that does nothing when the entry is no
 longer pending (another consumer settled it), so settling twice is harmless.
@@ -14,61 +14,43 @@ from __future__ import annotations
 
 import struct
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from redis.exceptions import ResponseError
-
-from broker.codec import encode_fields
-from broker.envelope import Envelope, now_ms
-from broker.errors import EffectsConflict, EffectsFailed, LeaseLost
-from broker.headers import (
-    DLQ_DEAD_AT,
-    DLQ_DESTINATION,
-    DLQ_ENTRY_ID,
-    DLQ_ERROR_MESSAGE,
-    DLQ_ERROR_TYPE,
-    DLQ_GROUP,
-    DLQ_HANDLER,
-    DLQ_PARTITION,
-    DLQ_REASON,
-    FIRST_FAILED_AT,
-    IDEMPOTENCY_KEY,
-)
+from broker.envelope import now_ms
+from broker.errors import LeaseLost
+from broker.headers import FIRST_FAILED_AT
 from broker.protocol import Delivery, GroupPartition, GuardedWrite
 from broker.redis.core import ScriptCall, text
-from broker.redis.keys import inbox_record, inbox_records
-from broker.redis.publishing import partition_of
+from broker.redis.keys import inbox_records
 from broker.redis.reading import SCRIPT_CHUNK, lease_lost
 from broker.redis.topology import Topology
 from broker.redis.wire import Channel
 from broker.topology import DestinationSpec
 
-__all__ = ["Settlement"]
-
-# written by commit_effects.lua itself (first-failed-at too, unless the caller gives it)
-_SCRIPT_REASON = frozenset((DLQ_REASON, DLQ_ERROR_TYPE, DLQ_ERROR_MESSAGE, DLQ_ENTRY_ID, DLQ_DEAD_AT))
-# reason fields sent once per commit_effects.lua call (the same for every message of a source)
-_CALL_REASON = frozenset((DLQ_HANDLER, DLQ_DESTINATION, DLQ_PARTITION, DLQ_GROUP))
+__all__ = ["FENCED", "Settlement", "fence_arg", "lost"]
 
 _WRITE_CHUNK = 250
 """Entries per ack call when some carry guarded writes (each write is a few server calls: the
 script blocks the server while it runs)."""
 
-_FENCED = -1  # what a settle script returns when the caller's fencing token is no longer current
-_CONFLICT = -2  # what commit_effects.lua returns when a guard (RedisEffects.expect) failed
+FENCED = -1
+"""What a settle script returns when the caller's fencing token is no longer current."""
 
 
-def _fence(token: int | None) -> str:
+def fence_arg(token: int | None) -> str:
+    """A fencing token as the settle scripts take it ('' for none: no check)."""
     return "" if token is None else str(token)
 
 
-def _lost(source: GroupPartition) -> LeaseLost:
+def lost(source: GroupPartition) -> LeaseLost:
+    """The error of a settle call the fencing check refused."""
     return lease_lost(source, "nothing was settled; the new owner delivers the entries again")
 
 
 class Settlement(Topology):
-    """Settles deliveries: success (ack, commit effects), failure (retry later, dead letter), retention."""
+    """Settles deliveries: success (ack; with effects: :mod:`broker.redis.state`), failure (retry later,
+    dead letter), and retention."""
 
     async def ack(
         self,
@@ -97,7 +79,7 @@ class Settlement(Topology):
         calls: list[ScriptCall] = []
         keys = source.keys
         script_keys = [keys.inbox, keys.attempts, keys.lease]
-        fence = _fence(token)
+        fence = fence_arg(token)
         chunk_size = _WRITE_CHUNK if writing else SCRIPT_CHUNK
         written: list[list[GuardedWrite]] = []  # per call, its writes in order
         for stream, items in by_stream.items():
@@ -165,85 +147,9 @@ class Settlement(Topology):
                         w.outcome = int(out)
             else:
                 replies.append(int(reply))
-        if _FENCED in replies:
-            raise _lost(source)
+        if FENCED in replies:
+            raise lost(source)
         return sum(replies)
-
-    async def commit_effects(
-        self,
-        delivery: Delivery,
-        commands: Sequence[Sequence[Any]],
-        keys: Sequence[str],
-        outgoing: Sequence[Envelope] = (),
-        *,
-        reason: Mapping[str, str] = {},
-        token: int | None = None,
-    ) -> bool:
-        """Apply ``commands``, publish ``outgoing`` (routed with :meth:`route`), mark the inbox and ack, atomically.
-
-        Returns True when applied; False when the message was already processed (then it is only
-        acked) or its entry is no longer pending for the group (settled elsewhere, or by an
-        earlier failed commit: nothing is done). On a Cluster every key must share the
-        delivery's hash tag, and ``outgoing`` must be empty (publish it first).
-
-        Redis cannot roll back, so a command that fails stops the rest (``outgoing`` go after
-        ``commands``, so no message is sent) and the commands before it stay applied: running the
-        handler again would apply them twice. So the same script call dead-letters the message
-        (its fields, ``reason`` - the ``dlq-*`` fields the caller builds, such as the handler and
-        the attempts - and ``dlq-entry-id``, ``dlq-dead-at``, ``dlq-first-failed-at`` unless
-        ``reason`` gives it (the entry's ``first-failed-at``, else now), ``dlq-reason``,
-        ``dlq-error-type``, ``dlq-error-message`` naming the command and the error), acks it,
-        releases its inbox lease (a redrive runs the handler again) and drops its attempts
-        counter; then :class:`~broker.errors.EffectsFailed` is raised (``applied`` may be 0).
-        Server states that refuse every write (OOM, READONLY) raise the redis error instead,
-        having changed nothing; the entry stays pending. A ``token`` no longer current raises
-        :class:`~broker.errors.LeaseLost`, having changed nothing. A guard command
-        (``["__EXPECT__", key, field, value]`` among ``commands``) that does not hold raises
-        :class:`~broker.errors.EffectsConflict`, having changed nothing (the entry stays pending).
-        """
-        source = delivery.source
-        calls: list[list[Any]] = [list(c) for c in commands]
-        out_keys: list[str] = []
-        for env in outgoing:
-            spec = await self.route(env.destination, env.kind)
-            idem = env.headers.get(IDEMPOTENCY_KEY) if env.headers else None
-            stream = self._partition_keys(spec.name, partition_of(spec, env, idem)).stream
-            out_keys.append(stream)
-            calls.append(["XADD", stream, "*", *encode_fields(env)])
-        mid = delivery.message_id
-        part: list[Any] = [delivery.entry_id, mid, inbox_record(mid), len(commands), len(outgoing), 0]
-        shared: list[str] = []  # (sent once per script call)
-        for k, v in reason.items():
-            if k in _CALL_REASON:
-                shared += (k, v)
-            elif k not in _SCRIPT_REASON:
-                part += (k, v)
-        part[5] = (len(part) - 6) // 2
-        for c in calls:
-            part += (len(c), *c)
-        base_keys = (delivery.stream, source.keys.inbox, source.keys.attempts, source.keys.dlq, source.keys.lease)
-        delete = "1" if source.deletes_on_ack(delivery.stream) else "0"
-        fence = _fence(token)
-        batcher = self._commit_batcher()
-        if batcher is None:  # a Cluster: through the client, alone
-            args = [source.group, delete, now_ms(), fence, 1, len(shared) // 2, *shared, *part]
-            reply = await self.scripts["commit_effects"](self.redis, [*base_keys, *keys, *out_keys], args)
-            reply = reply if reply == _FENCED else reply[0]
-        else:  # with other tasks' commits of the same source in one script call, one write
-            reply = await batcher.call((*base_keys, source.group, delete, fence, *shared), [*keys, *out_keys], part)
-        if reply == _FENCED:
-            raise _lost(source)
-        if reply == _CONFLICT:
-            raise EffectsConflict(
-                f"message {delivery.message_id}: a guarded value changed since the handler read it; nothing was "
-                "written, sent or acknowledged (run the handler again)"
-            )
-        if isinstance(reply, list):
-            if len(reply) == 2:  # ['E', error]: nothing done, the entry stays pending
-                raise ResponseError(text(reply[1]))
-            dead, error, applied = reply
-            raise EffectsFailed(text(dead), text(error), int(applied))
-        return bool(reply)
 
     async def count_attempt(self, delivery: Delivery) -> int:
         """Record that a redelivered message is about to run; return how many such runs it had.
@@ -283,10 +189,10 @@ class Settlement(Topology):
         reply = await self.scripts["dead_letter"](
             self.redis,
             [delivery.stream, source.keys.dlq, source.keys.inbox, source.keys.attempts, source.keys.lease],
-            [source.group, delivery.entry_id, delete, delivery.message_id, *flat, _fence(token)],
+            [source.group, delivery.entry_id, delete, delivery.message_id, *flat, fence_arg(token)],
         )
-        if reply == _FENCED:
-            raise _lost(source)
+        if reply == FENCED:
+            raise lost(source)
         return None if reply is None else text(reply)
 
     async def retry_later(
@@ -311,10 +217,10 @@ class Settlement(Topology):
         reply = await self.scripts["retry_later"](
             self.redis,
             [delivery.stream, source.keys.delayed, source.keys.inbox, source.keys.attempts, source.keys.lease],
-            [source.group, delivery.entry_id, delete, due_ms, delivery.message_id, *flat, _fence(token)],
+            [source.group, delivery.entry_id, delete, due_ms, delivery.message_id, *flat, fence_arg(token)],
         )
-        if reply == _FENCED:
-            raise _lost(source)
+        if reply == FENCED:
+            raise lost(source)
         return bool(reply)
 
     async def move_due(self, source: GroupPartition, now_ms: int, limit: int = 500) -> int:

@@ -355,12 +355,13 @@ def count_sent(envelopes: Sequence[Envelope]) -> None:
 async def refresh_runtime(runtime: Any) -> None:
     """Read lag, pending and dead letters of every group and partition ``runtime`` consumes (one
     pass, a few round trips per partition)."""
-    from broker.redis.inspect import group_state
+    from broker.capabilities import as_introspection
 
+    inspect = as_introspection(runtime.broker)  # (the runtime checked it: run_until_idle and these need it)
     for t in _tracked.get(id(runtime), []):
         dead = 0
         for view in t.views:
-            state = await group_state(runtime.broker, view)
+            state = await inspect.group_state(view)
             where = (t.key, view.partition)
             _group_attributes[where] = t.partitions[view.partition]
             _groups[where] = (state.lag, state.pending)

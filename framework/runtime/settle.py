@@ -3,8 +3,8 @@
 * success (:meth:`Settlement.finished`): publish what the handlers staged, then queue the acks
   (the ack flusher, :meth:`Settlement.ack_loop`, sends one XACK, with the inbox marks made final,
   for many);
-* a handler's Redis effects (:meth:`Settlement.commit_effects`): writes, outgoing messages, inbox
-  mark and ack in one Lua call;
+* a run's recorded writes (:meth:`Settlement.commit_effects`: ``ctx.redis_transaction()``, a saga
+  step's state): writes, outgoing messages, inbox mark and ack in one atomic step (one Lua call on Redis);
 * failure (:meth:`Settlement.failure`): the retry path (acknowledged and parked until due) or
   the dead-letter queue, each atomic with the ack; :meth:`Settlement.dead_letter` also takes
   messages that cannot run at all (undecodable, crash loops).
@@ -135,7 +135,7 @@ class Settlement:
             self.log_settled(d, "duplicate" if ctx.duplicate else "success", ctx.attempt)
 
     async def commit_effects(self, ledger: Ledger, d: Delivery, ctx: Context, attempt: int) -> Outcome:
-        """Commit a handler's Redis writes, outgoing messages, inbox mark and ack in one step (in a
+        """Commit a run's recorded writes, outgoing messages, inbox mark and ack in one step (in a
         tenure that is over, nothing: the message stays pending for the next one).
 
         Raises if the broker call fails (the attempt failed: the caller applies the retry policy).
@@ -146,12 +146,12 @@ class Settlement:
         if lease is not None and lease.lost:  # the tenure is over: its next one runs the message again
             ledger.forget([d])
             return Outcome("duplicate", attempt, reason="lost ownership of the partition: not settled here")
-        broker = self.wiring.redis_store
+        store = self.wiring.effects_store
         staged = ctx.outgoing
         outgoing = [env for env, _ in staged]
-        # Other slots, or scheduled messages (publish stores those until due): publish first
+        # Other slots (a Cluster), or scheduled messages (publish stores those until due): publish first
         # (deterministic ids dedup a repeat).
-        if outgoing and (broker.cluster or any(DELIVER_AT in env.headers for env in outgoing)):
+        if outgoing and (not store.commits_outgoing or any(DELIVER_AT in env.headers for env in outgoing)):
             await self.wiring.publish(staged)
             outgoing = []
         else:
@@ -159,10 +159,9 @@ class Settlement:
                 if spec is not None:
                     await self.broker.ensure_declared(spec)
         try:
-            applied = await broker.commit_effects(
+            applied = await store.commit_effects(
                 d,
-                effects.commands,
-                effects.keys,
+                effects,
                 outgoing,
                 reason=self._effects_reason(d, attempt),
                 token=ledger.fence,

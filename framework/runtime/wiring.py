@@ -15,7 +15,7 @@ import anyio
 import attrs
 
 from broker import Broker
-from broker.capabilities import InboxStore, PartitionOwnership, RedisStore
+from broker.capabilities import InboxStore, PartitionOwnership, StateStore
 from framework._messages import Outgoing
 from framework.logs import get_logger
 from framework.middleware import Middleware
@@ -73,10 +73,11 @@ class Wiring:
         return cast(PartitionOwnership, self.broker)
 
     @property
-    def redis_store(self) -> RedisStore:
-        """The broker as the Redis data store (only reached by handlers that use ``ctx.redis_transaction()``,
-        which refuses on a transport without it)."""
-        return cast(RedisStore, self.broker)
+    def effects_store(self) -> StateStore:
+        """The broker committing a run's recorded writes with its ack (only reached by runs that recorded
+        some: ``ctx.redis_transaction()``, which refuses without the ``redis`` capability, or a saga
+        step, whose ``state`` need the runtime checked)."""
+        return cast(StateStore, self.broker)
 
     @property
     def lease_ms(self) -> int:

@@ -17,13 +17,15 @@ What it promises (see ``docs/sagas.md``):
   handler of the service that re-sends the message to the saga's own queue
   ``<service>.saga.<name>`` with key = its correlation id (derived ids plus the inboxes make the
   hop exactly once). So one saga instance's messages share one partition and one per-key lane.
-* **State** lives in one Redis hash per instance under the saga queue partition's hash tag:
-  ``<ns>:{<service>.saga.<name>:<p>}:saga:<correlation id>`` with fields ``v`` (version), ``s``
-  (the state, JSON via the payload converter) and ``t`` (pending timeout ids). A step loads it,
-  runs, and saves it with ``ctx.redis_transaction()``: the save, the inbox mark, the ack and the
-  outgoing messages are one script call (``commit_effects.lua``).
+* **State** lives in the transport's state store (the ``state`` capability,
+  :class:`broker.capabilities.StateStore`), one hash per instance beside the saga queue's
+  partition (on Redis ``<ns>:{<service>.saga.<name>:<p>}:saga:<correlation id>``, under the
+  partition's hash tag) with fields ``v`` (version), ``s`` (the state, JSON via the payload
+  converter) and ``t`` (pending timeout ids). A step loads it, runs, and saves it as typed
+  operations (:mod:`broker.state`) committed with the inbox mark, the ack and the outgoing
+  messages in one atomic step (one ``commit_effects.lua`` call on Redis).
 * **One message per saga at a time.** The save is guarded by the version read at the start
-  (``RedisEffects.expect``): if another step committed meanwhile (two processes on a shared
+  (``ExpectField``): if another step committed meanwhile (two processes on a shared
   partition, a paused ex-owner), nothing is written, sent or acked and the step runs again on the
   new state. Conflicts are retried at once and do not count towards the saga's retry policy's
   dead-lettering (up to ``MAX_CONFLICTS`` in a row).
@@ -49,7 +51,7 @@ here); the class is built in layers, each a module of this package, bottom up:
 :mod:`~framework.saga.policy` (``SAGA_INPUT``, errors, retries), :mod:`~framework.saga.step_context`
 (:class:`SagaContext`), :mod:`~framework.saga.steps` (declaring steps),
 :mod:`~framework.saga.timeouts`, :mod:`~framework.saga.dispatch` (deciding a step; the SQL
-path), :mod:`~framework.saga.kept` and :mod:`~framework.saga.redis_state` (the Redis path).
+path), :mod:`~framework.saga.kept` and :mod:`~framework.saga.store` (the state store's path).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from broker import GuardedWrite
-from broker.capabilities import REDIS, as_redis
+from broker.capabilities import STATE, as_state
 from framework._payloads import decoder_for
 from framework.context import Context
 from framework.handlers import HandlerError, Queue
@@ -75,8 +77,8 @@ from framework.saga.policy import (
     SagaRetryPolicy,
     _saga_policy,
 )
-from framework.saga.redis_state import RedisSteps
 from framework.saga.step_context import SagaContext
+from framework.saga.store import StoreSteps
 
 if TYPE_CHECKING:
     from broker import Broker, Delivery
@@ -87,7 +89,7 @@ __all__ = ["MAX_CONFLICTS", "SAGA_INPUT", "Saga", "SagaContext", "SagaError", "S
 S = TypeVar("S")
 
 STATE_CACHE_SIZE = 10_000
-"""Instances whose Redis state a worker keeps after saving it (a step of one needs no read first)."""
+"""Instances whose state a worker keeps after saving it (a step of one needs no read first)."""
 
 STATE_CACHE_BYTES = 32 * 2**20
 """Bytes of kept state (JSON) per saga and worker at most; the least recently saved go first."""
@@ -96,7 +98,7 @@ STATE_CACHE_SECONDS = 30.0
 """How long a kept state is used (at most half of ``keep_completed``) before it is read again."""
 
 
-class Saga(RedisSteps[S]):
+class Saga(StoreSteps[S]):
     """A process manager of a service: steps per input, state per correlation id.
 
     Create with :meth:`framework.Service.saga`. ``state`` is the state's type (an attrs class, a
@@ -104,7 +106,8 @@ class Saga(RedisSteps[S]):
     queue's partition count (> 1: partitions owned by one worker each, see
     ``docs/partition-ownership.md``); ``keep_completed`` how long a completed instance's
     tombstone stays (late messages within it are ignored, after it they would start a new one);
-    ``sql`` an AsyncEngine (or a function returning one) to keep the state in instead of Redis.
+    ``sql`` an AsyncEngine (or a function returning one) to keep the state in instead of the
+    transport's state store.
     """
 
     def __init__(
@@ -138,7 +141,7 @@ class Saga(RedisSteps[S]):
         self._timeout_steps: dict[str, _Step] = {}  # payload type name -> step
         self._retry = _saga_policy(retry or service.retry)
         self._state_decode = decoder_for(state) if isinstance(state, type) else None
-        # Redis state of instances this process saved last (:class:`_Kept`). The commit's version
+        # Stored state of instances this process saved last (:class:`_Kept`). The commit's version
         # guard checks it as it checks a fresh read (a stale entry conflicts and the step runs again
         # on a fresh read); an entry lives less than keep_completed, so a completed instance's key
         # cannot expire and climb back to a cached version meanwhile. Decoded, so a step of a kept
@@ -149,7 +152,6 @@ class Saga(RedisSteps[S]):
         # instances whose state write sent with the acks was not applied: their next step commits
         # by the general path (which dead-letters a write the server refuses, with the reason)
         self._careful: OrderedDict[str, None] = OrderedDict()
-        self._prefixes: dict[tuple[str, int], str] = {}  # (namespace, partition) -> the state keys' prefix
         self._note = self._written  # (bound once: every state write sent with the acks carries it)
         # States read ahead for fetched batches (:meth:`_read_ahead`): key -> (fencing token, the
         # HMGET row, its bytes); a step takes its instance's out, and a state kept for it drops it.
@@ -168,7 +170,7 @@ class Saga(RedisSteps[S]):
             if not env.key:
                 raise SagaError(f"saga {self.label}: message {env.id} on the saga queue has no correlation key")
             if self._sql is None:
-                await self._run_redis(found, source, body, ctx, env.key)
+                await self._run_store(found, source, body, ctx, env.key)
             else:
                 await self._run_sql(found, source, body, ctx)
 
@@ -176,7 +178,7 @@ class Saga(RedisSteps[S]):
         needs = (
             {}
             if self._sql is not None
-            else {REDIS: f"saga {self.label} keeps its state in Redis (sql= keeps it in a database)"}
+            else {STATE: f"saga {self.label} keeps its state in the transport's state store (sql=: in a database)"}
         )
         service._register(self.queue, self._retry, None, "earliest", True, timeout, self._read_ahead, needs)(step)
 
@@ -187,31 +189,28 @@ class Saga(RedisSteps[S]):
 
     async def _read_ahead(self, broker: Broker, deliveries: list[Delivery], fence: int | None, channel: Any) -> None:
         """Read, in one call, the states of a fetched batch's instances whose steps would read
-        them (none kept, or kept too long) and keep them for those steps (see :meth:`_run_redis`)."""
+        them (none kept, or kept too long) and keep them for those steps (see :meth:`_run_store`)."""
         if self._sql is not None:
             return
-        store = as_redis(broker)  # (the runtime checked the capability: Handler.needs)
-        keyspace = store.keyspace
+        store = as_state(broker)  # (the runtime checked the capability: Handler.needs)
+        state_key = store.state_key
+        queue = self.queue.name
         cache = self._cached
         ahead = self._ahead
         now = time.monotonic()
         keys: dict[str, None] = {}
-        partition, prefix = -1, ""
         for d in deliveries:
             correlation = d.envelope.key if d.envelope is not None else None
             if not correlation:
                 continue
-            if d.source.partition != partition:  # (a batch is one partition's)
-                partition = d.source.partition
-                prefix = self._prefix(keyspace, partition)
-            key = prefix + correlation
+            key = state_key(queue, d.source.partition, correlation)
             kept = cache.get(key)
             if kept is not None and kept.fence == fence and (kept.until > now or kept.write is not None):
                 continue  # its step starts on the kept state, or reads after this process's own write
             keys[key] = None
         if not keys:
             return
-        rows = await store.read_hashes(list(keys), _STATE_FIELDS, channel=channel)
+        rows = await store.read_states(list(keys), _STATE_FIELDS, channel=channel)
         for key, row in zip(keys, rows, strict=True):
             if row is not None:  # (else not a hash: its step reads it and fails with the reason)
                 self._drop_ahead(key)

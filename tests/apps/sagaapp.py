@@ -5,7 +5,8 @@ ships it once (a ``warehouse.ship`` command), and cancels it with a compensating
 (``orders.cancel``: refund the payment / release the stock it saw) when the timeout fires first.
 
 With ``$SAGA_DATABASE_URL`` set (worker processes), or :func:`declare` given an engine (tests in
-one process), the saga keeps its state in that database instead of Redis.
+one process), the saga keeps its state in that database instead of the transport's state store
+(Redis, or ``memory://`` in tests/test_saga_memory.py).
 
 A ``recorder`` service handles both commands and counts them per order in Redis, exactly once
 per message (its counts commit with its inbox mark), so the test can see an order shipped or
@@ -69,7 +70,8 @@ class Fulfilment:
 
 
 def declare(sql: Any = None) -> tuple[Service, Saga[Fulfilment]]:
-    """The shipping service and its saga; ``sql``: keep the state in that database (else Redis)."""
+    """The shipping service and its saga; ``sql``: keep the state in that database (else in the
+    transport's state store)."""
     shipping = Service("shipping")
     fulfilment = shipping.saga("fulfilment", state=Fulfilment, sql=sql)
 

@@ -1,7 +1,9 @@
-"""Running a saga step on its state in Redis: start from the state kept, read ahead or read, then save it.
+"""Running a saga step on its state in the transport's state store: start from the state kept or read, save it.
 
-The save goes with the message's ack on an owned partition (a step that only changes its state),
-else into the step's effects commit (with its messages and timeouts), guarded by the version read.
+The store is the transport's ``state`` capability (:class:`broker.capabilities.StateStore`). The save
+goes with the message's ack on an owned partition (a step that only changes its state), else into
+the step's effects commit (typed operations, :mod:`broker.state`, with its messages and timeouts),
+guarded by the version read.
 """
 
 from __future__ import annotations
@@ -15,30 +17,29 @@ import orjson
 
 from broker import GuardedWrite
 from broker.errors import EffectsConflict
+from broker.state import DeleteKey, Effects, ExpireKey, SetFields
 from framework.saga.dispatch import StepDispatch
 from framework.saga.kept import _SAVED, _SAVED_WITH_TIMEOUTS, _STATE_FIELDS, _Kept, _state_json, _StateWrite
 
 if TYPE_CHECKING:
-    from broker.redis.keys import KeySpace
     from framework.context import Context
     from framework.saga.step_context import SagaContext
     from framework.saga.steps import _Step
 
-__all__ = ["RedisSteps"]
+__all__ = ["StoreSteps"]
 
 S = TypeVar("S")
 
 
-class RedisSteps(StepDispatch[S]):
-    """The part of :class:`~framework.saga.Saga` that runs steps whose state is in Redis (the
-    states kept and read ahead are bounded by :class:`~framework.saga.Saga` itself)."""
+class StoreSteps(StepDispatch[S]):
+    """The part of :class:`~framework.saga.Saga` that runs steps whose state is in the transport's
+    state store (the states kept and read ahead are bounded by :class:`~framework.saga.Saga` itself)."""
 
     keep_completed_ms: int
     _cached: OrderedDict[str, _Kept]
     _cached_bytes: int
     _cache_ttl: float
     _careful: OrderedDict[str, None]
-    _prefixes: dict[tuple[str, int], str]
     _note: Callable[[GuardedWrite], None]
     _ahead: OrderedDict[str, tuple[int | None, list[Any], int]]
     _ahead_bytes: int
@@ -59,17 +60,10 @@ class RedisSteps(StepDispatch[S]):
     # -- running a step ----------------------------------------------------------------------------
 
     def state_key(self, ctx: Context, correlation: str | None = None) -> str:
-        """The instance's state hash (under the saga queue partition's hash tag); ``correlation``:
-        the message's key, when the caller has it at hand."""
-        return self._prefix(ctx._broker.keyspace, ctx._delivery.source.partition) + (correlation or ctx.key or "")
-
-    def _prefix(self, keyspace: KeySpace, partition: int) -> str:
-        """What the state keys of a saga queue partition start with (built once)."""
-        prefix = self._prefixes.get((keyspace.namespace, partition))
-        if prefix is None:
-            stream = keyspace.partition(self.queue.name, partition).stream
-            prefix = self._prefixes[(keyspace.namespace, partition)] = f"{stream}:saga:"
-        return prefix
+        """The instance's state key in the store (on Redis under the saga queue partition's hash tag);
+        ``correlation``: the message's key, when the caller has it at hand."""
+        key: str = ctx._broker.state_key(self.queue.name, ctx._delivery.source.partition, correlation or ctx.key or "")
+        return key
 
     def _drop_ahead(self, key: str) -> tuple[int | None, list[Any], int] | None:
         """Take ``key``'s state read ahead out (None if there is none)."""
@@ -78,7 +72,7 @@ class RedisSteps(StepDispatch[S]):
             self._ahead_bytes -= row[2]
         return row
 
-    async def _run_redis(self, step: _Step, source: str, body: bytes, ctx: Context, correlation: str) -> None:
+    async def _run_store(self, step: _Step, source: str, body: bytes, ctx: Context, correlation: str) -> None:
         key = self.state_key(ctx, correlation)
         fence = ctx._fence
         now = time.monotonic()
@@ -108,7 +102,7 @@ class RedisSteps(StepDispatch[S]):
             if ahead is not None and ahead[0] == fence:  # read with its batch
                 version_raw, state_raw, pending_raw, done = ahead[1]
             else:  # (sent with the other lanes' reads: one write for many steps)
-                version_raw, state_raw, pending_raw, done = await ctx._broker.read_shared("HMGET", key, *_STATE_FIELDS)
+                version_raw, state_raw, pending_raw, done = await ctx._broker.read_state(key, _STATE_FIELDS)
             version = None if version_raw is None else int(version_raw)
             had_timeouts = bool(pending_raw) and pending_raw != b"{}"
         else:
@@ -146,13 +140,13 @@ class RedisSteps(StepDispatch[S]):
                     raise EffectsConflict(  # the next tenure runs it)
                         f"saga {self.label}: the instance's previous state write was not applied"
                     )
-            tx = ctx.redis_transaction()
+            tx = ctx._state_effects()
             tx.expect(key, "v", version)  # what the step decided is decided on this version
-            await self._save(ctx, sctx, key, version or 0)
+            self._save(ctx, tx, sctx, key, version or 0)
             return
         if version is None or done:  # ignored: nothing to keep
             if not fast:
-                ctx.redis_transaction().expect(key, "v", version)
+                ctx._state_effects().expect(key, "v", version)
             return
         # ignored: the state stays as it was
         if loaded is None:
@@ -164,7 +158,7 @@ class RedisSteps(StepDispatch[S]):
         if fast:  # (its last write, if unsent, stays what the next read waits for)
             self._keep_state(last or _Kept(key), version, state, pending, size, fence)
         else:
-            tx = ctx.redis_transaction()
+            tx = ctx._state_effects()
             tx.expect(key, "v", version)
             self._cache_after_commit(tx, key, version, state, pending, size, fence)
 
@@ -200,7 +194,14 @@ class RedisSteps(StepDispatch[S]):
         self._keep_state(entry, new, sctx.state, pending, size, fence, now + self._cache_ttl)
 
     def _cache_after_commit(
-        self, tx: Any, key: str, version: int | None, state: Any, pending: dict[str, str], size: int, fence: int | None
+        self,
+        tx: Effects,
+        key: str,
+        version: int | None,
+        state: Any,
+        pending: dict[str, str],
+        size: int,
+        fence: int | None,
     ) -> None:
         """Keep ``key``'s state once the step's commit applied (with the guard passed, it is the
         stored one); ``size``: the bytes of its JSON, counted against the budget."""
@@ -211,18 +212,19 @@ class RedisSteps(StepDispatch[S]):
 
         tx.after_commit(keep)
 
-    async def _save(self, ctx: Context, sctx: SagaContext[S], key: str, version: int) -> None:
-        tx = ctx.redis_transaction()
+    def _save(self, ctx: Context, tx: Effects, sctx: SagaContext[S], key: str, version: int) -> None:
+        """Record the step's save in ``tx`` (the step's commit): its state, or a tombstone kept
+        ``keep_completed``, and the timeouts it requested."""
         new = version + 1
         if sctx.completed:
-            tx.call("DEL", key)
-            tx.call("HSET", key, "v", new, "done", 1)
-            tx.call("PEXPIRE", key, self.keep_completed_ms)
+            tx.add(DeleteKey(key))
+            tx.add(SetFields(key, {"v": new, "done": 1}))
+            tx.add(ExpireKey(key, self.keep_completed_ms))
             tx.after_commit(lambda: self._drop_ahead(key))  # (a state read ahead before it: stale)
             return
         state = _state_json(sctx.state)
         pending = orjson.dumps(sctx._pending)
-        tx.call("HSET", key, "v", new, "s", state, "t", pending)
+        tx.add(SetFields(key, {"v": new, "s": state, "t": pending}))
         self._cache_after_commit(tx, key, new, sctx.state, sctx._pending, len(state) + len(pending), ctx._fence)
         if sctx._timeouts:
-            await self._stage_timeouts(ctx, sctx)
+            self._stage_timeouts(tx, ctx, sctx)
