@@ -27,6 +27,7 @@ __all__ = [
     "Introspection",
     "LeaseView",
     "PartitionState",
+    "select_destinations",
 ]
 
 INBOX_BYTES_PER_ID = 24
@@ -206,6 +207,17 @@ class DestinationUsage:
     groups: list[str]
     entries: int
     dead: int
+
+
+def select_destinations(specs: list[DestinationSpec], names: Sequence[str] | None) -> list[DestinationSpec]:
+    """``specs`` narrowed to ``names`` (all when None or empty); ``ValueError`` naming unknown ones."""
+    if not names:
+        return specs
+    wanted = set(names)
+    unknown = wanted - {s.name for s in specs}
+    if unknown:
+        raise ValueError(f"unknown destination(s): {', '.join(sorted(unknown))}")
+    return [s for s in specs if s.name in wanted]
 
 
 @runtime_checkable

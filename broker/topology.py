@@ -14,6 +14,7 @@ from broker.errors import ConfigurationError
 __all__ = [
     "DEFAULT_RETENTION_MS",
     "DestinationSpec",
+    "kind_mismatch",
     "validate_name",
 ]
 
@@ -29,6 +30,13 @@ def validate_name(what: str, name: str) -> str:
             f"invalid {what} name {name!r}: use 1-200 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
     return name
+
+
+def kind_mismatch(destination: str, kind: Kind) -> ConfigurationError:
+    """The error for a ``kind`` message to ``destination``, which is declared with the other kind."""
+    verb = "send() a command to" if kind == "command" else "publish() an event to"
+    declared = "topic" if kind == "command" else "queue"
+    return ConfigurationError(f"cannot {verb} {destination!r}: it is declared as a {declared}")
 
 
 @attrs.frozen

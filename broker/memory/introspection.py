@@ -22,6 +22,7 @@ from broker.introspection import (
     InboxMemory,
     LeaseView,
     PartitionState,
+    select_destinations,
 )
 from broker.memory.inbox import DEFAULT_WINDOW_MS, bucketed
 from broker.memory.streams import Group, Stream, mono_ms, wall_ms
@@ -107,13 +108,7 @@ class Inspection(Topology):
     async def describe(self, names: Sequence[str] | None = None) -> list[DestinationState]:
         """State of every declared destination (or of ``names``: ``ValueError`` naming unknown ones), with
         all groups that subscribed."""
-        specs = await self.list_destinations()
-        if names:
-            wanted = set(names)
-            unknown = wanted - {s.name for s in specs}
-            if unknown:
-                raise ValueError(f"unknown destination(s): {', '.join(sorted(unknown))}")
-            specs = [s for s in specs if s.name in wanted]
+        specs = select_destinations(await self.list_destinations(), names)
         subs = await self.list_subscriptions()
         out = []
         for spec in specs:

@@ -6,7 +6,7 @@ from broker.envelope import Kind
 from broker.errors import ConfigurationError
 from broker.memory.core import MemoryCore, MemoryKeys
 from broker.protocol import GroupPartition, Start
-from broker.topology import DestinationSpec, validate_name
+from broker.topology import DestinationSpec, kind_mismatch, validate_name
 
 __all__ = ["Topology"]
 
@@ -52,10 +52,7 @@ class Topology(MemoryCore):
             if spec is None:
                 return await self.declare(DestinationSpec(name=destination, kind=kind, partitions=partitions))
         if spec.kind != kind:
-            verb = "send() a command to" if kind == "command" else "publish() an event to"
-            raise ConfigurationError(
-                f"cannot {verb} {destination!r}: it is declared as a {'queue' if spec.kind == 'command' else 'topic'}"
-            )
+            raise kind_mismatch(destination, kind)
         return spec
 
     async def get_destination(self, name: str) -> DestinationSpec | None:

@@ -25,6 +25,7 @@ from broker.introspection import (
     InboxMemory,
     LeaseView,
     PartitionState,
+    select_destinations,
 )
 from broker.protocol import GroupPartition
 from broker.redis.keys import INBOX_SLOT_MS, inbox_slot
@@ -129,13 +130,7 @@ async def _with_lease(broker: Topology, view: GroupPartition) -> GroupState:
 
 async def describe(broker: Topology, names: list[str] | None = None) -> list[DestinationState]:
     """State of every declared destination (or of ``names``), with all groups that subscribed."""
-    specs = await broker.list_destinations()
-    if names:
-        wanted = set(names)
-        unknown = wanted - {s.name for s in specs}
-        if unknown:
-            raise ValueError(f"unknown destination(s): {', '.join(sorted(unknown))}")
-        specs = [s for s in specs if s.name in wanted]
+    specs = select_destinations(await broker.list_destinations(), names)
     subs = await broker.list_subscriptions()
     out = []
     for spec in specs:

@@ -11,7 +11,7 @@ from broker.envelope import Kind
 from broker.errors import ConfigurationError
 from broker.protocol import GroupPartition, Start
 from broker.redis.core import RedisCore, text
-from broker.topology import DestinationSpec, validate_name
+from broker.topology import DestinationSpec, kind_mismatch, validate_name
 
 __all__ = ["Topology"]
 
@@ -72,10 +72,7 @@ class Topology(RedisCore):
             if spec is None:
                 return await self.declare(DestinationSpec(name=destination, kind=kind, partitions=partitions))
         if spec.kind != kind:
-            verb = "send() a command to" if kind == "command" else "publish() an event to"
-            raise ConfigurationError(
-                f"cannot {verb} {destination!r}: it is declared as a {'queue' if spec.kind == 'command' else 'topic'}"
-            )
+            raise kind_mismatch(destination, kind)
         return spec
 
     async def get_destination(self, name: str) -> DestinationSpec | None:
