@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from broker.envelope import Kind
 from broker.errors import ConfigurationError
 from broker.memory.core import MemoryCore, MemoryKeys
 from broker.protocol import GroupPartition, Start
-from broker.topology import DestinationSpec, kind_mismatch, validate_name
+from broker.routing import Routing
+from broker.topology import DestinationSpec, validate_name
 
 __all__ = ["Topology"]
 
 _NOUN = {"command": "a queue (commands: use send)", "event": "a topic (events: use publish)"}
 
 
-class Topology(MemoryCore):
+class Topology(MemoryCore, Routing):
     """Declares destinations, routes messages to them and creates consumer groups."""
 
     async def declare(self, spec: DestinationSpec) -> DestinationSpec:
@@ -33,27 +33,6 @@ class Topology(MemoryCore):
             destinations[spec.name] = stored = spec  # retention may change over time; the latest declaration wins
         self._specs[spec.name] = stored
         return stored
-
-    async def ensure_declared(self, spec: DestinationSpec) -> DestinationSpec:
-        """:meth:`declare` ``spec`` unless this broker already holds exactly it; return the stored spec."""
-        cached = self._specs.get(spec.name)
-        if cached == spec:
-            return cached
-        return await self.declare(spec)
-
-    async def route(self, destination: str, kind: Kind, *, partitions: int = 1) -> DestinationSpec:
-        """The spec to publish a ``kind`` message to ``destination`` with, declaring it (with default
-        retention and ``partitions``) if needed; ``ConfigurationError`` for the other kind or a bad name."""
-        spec = self._specs.get(destination)
-        if spec is not None and spec.kind == kind:
-            return spec
-        if spec is None:
-            spec = await self.get_destination(destination)
-            if spec is None:
-                return await self.declare(DestinationSpec(name=destination, kind=kind, partitions=partitions))
-        if spec.kind != kind:
-            raise kind_mismatch(destination, kind)
-        return spec
 
     async def get_destination(self, name: str) -> DestinationSpec | None:
         """The declared spec of ``name``, or None (cached after the first look-up)."""

@@ -7,18 +7,18 @@ from typing import cast
 import orjson
 from redis.exceptions import ResponseError
 
-from broker.envelope import Kind
 from broker.errors import ConfigurationError
 from broker.protocol import GroupPartition, Start
 from broker.redis.core import RedisCore, text
-from broker.topology import DestinationSpec, kind_mismatch, validate_name
+from broker.routing import Routing
+from broker.topology import DestinationSpec, validate_name
 
 __all__ = ["Topology"]
 
 _NOUN = {"command": "a queue (commands: use send)", "event": "a topic (events: use publish)"}
 
 
-class Topology(RedisCore):
+class Topology(RedisCore, Routing):
     """Declares destinations, routes messages to them and creates consumer groups."""
 
     async def declare(self, spec: DestinationSpec) -> DestinationSpec:
@@ -40,40 +40,6 @@ class Topology(RedisCore):
             stored = spec
         self._specs[spec.name] = stored
         return stored
-
-    async def ensure_declared(self, spec: DestinationSpec) -> DestinationSpec:
-        """:meth:`declare` ``spec`` unless this broker already holds exactly it; return the stored spec.
-
-        The one "declare on first use" for producers holding a full spec (a ``Queue``/``Topic``
-        object, an outbox row's stored spec): the first call per broker costs a registry round
-        trip, later ones with the same spec none. A spec differing from the cached one is declared
-        again (so a retention change is written; kind or partition conflicts raise
-        ``ConfigurationError``).
-        """
-        cached = self._specs.get(spec.name)
-        if cached == spec:
-            return cached
-        return await self.declare(spec)
-
-    async def route(self, destination: str, kind: Kind, *, partitions: int = 1) -> DestinationSpec:
-        """The spec to publish a ``kind`` message to ``destination`` with, declaring it if needed.
-
-        The one "declare on first use" by name: the declared spec (cached per broker), else a new
-        declaration ``DestinationSpec(destination, kind, partitions=partitions)`` with default
-        retention (``partitions`` is used only then: an existing destination keeps its own).
-        Raises ``ConfigurationError`` when ``destination`` is declared with the other kind, or the
-        name is invalid. :meth:`publish` and :meth:`commit_effects` route every envelope this way.
-        """
-        spec = self._specs.get(destination)
-        if spec is not None and spec.kind == kind:
-            return spec
-        if spec is None:
-            spec = await self.get_destination(destination)
-            if spec is None:
-                return await self.declare(DestinationSpec(name=destination, kind=kind, partitions=partitions))
-        if spec.kind != kind:
-            raise kind_mismatch(destination, kind)
-        return spec
 
     async def get_destination(self, name: str) -> DestinationSpec | None:
         """The declared spec of ``name``, or None (cached after the first look-up)."""
