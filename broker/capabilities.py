@@ -91,6 +91,23 @@ class InboxStore(Protocol):
         group's dedup window, which the records made final later are kept for (0: as stored)."""
         ...
 
+    async def read_leased(
+        self,
+        source: GroupPartition,
+        consumer: str,
+        count: int,
+        block_ms: int,
+        *,
+        lease_ms: int,
+        window_ms: int = 0,
+        channel: Any = None,
+        token: int | None = None,
+    ) -> list[Delivery]:
+        """:meth:`~broker.protocol.GroupReader.read`, leasing what it reads as :meth:`inbox_claim`
+        would, in the same call where the transport can: each delivery's ``inbox_status`` is set,
+        or left None for the caller to check with :meth:`inbox_claim`."""
+        ...
+
     async def trim_inbox(self, source: GroupPartition, older_than_ms: int) -> int:
         """Forget processed ids recorded before ``older_than_ms`` and leases that expired."""
         ...

@@ -59,6 +59,15 @@ class InboxMemory:
         zset = self.ids - self.bucket_ids
         return int(max(self.bucket_ids, at_rate) * INBOX_BYTES_PER_ID + zset * _ZSET_BYTES_PER_ID)
 
+    @property
+    def bytes_per_id(self) -> float:
+        """What one remembered id costs the server as reckoned here (compact records, and the sorted
+        set's leases and older records at their own size)."""
+        if self.ids <= 0:
+            return float(INBOX_BYTES_PER_ID)
+        zset = self.ids - self.bucket_ids
+        return (self.bucket_ids * INBOX_BYTES_PER_ID + zset * _ZSET_BYTES_PER_ID) / self.ids
+
     def __add__(self, other: InboxMemory) -> InboxMemory:
         return InboxMemory(
             self.ids + other.ids,
@@ -166,6 +175,7 @@ def _group_totals(state: DestinationState) -> list[dict[str, Any]]:
         t["inbox_ids_per_s"] = round(inbox.ids_per_s, 3)
         t["inbox_window_s"] = inbox.window_ms / 1000
         t["inbox_bytes"] = inbox.bytes  # projected over the whole window at the recent rate
+        t["inbox_bytes_per_id"] = round(inbox.bytes_per_id, 1)
     return sorted(totals.values(), key=lambda t: t["group"])
 
 

@@ -142,6 +142,9 @@ class Delivery:
     error: str | None = None
     delivery_count: int = 1
     settle_write: GuardedWrite | None = None  # written with the ack (see GuardedWrite), set by the runtime
+    inbox_status: int | None = None
+    """Set by a read that took the inbox lease (:meth:`broker.capabilities.InboxStore.read_leased`):
+    what :meth:`~broker.capabilities.InboxStore.inbox_claim` would have said; None: not checked."""
 
     @property
     def fields(self) -> dict[bytes, bytes]:

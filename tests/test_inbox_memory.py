@@ -201,10 +201,12 @@ async def test_old_zset_records_and_other_ids_are_still_duplicates(broker: Redis
     legacy = uuid7_at(now_ms() - 3_600_000)
     await broker.redis.zadd(view.keys.inbox, {legacy: now_ms() - 1000})  # written before the buckets
     assert await claim(broker, view, [legacy]) == [1]
-    await record(broker, view, ["order-7"])  # not a UUIDv7/v8: kept in the zset as before
-    assert await broker.redis.zscore(view.keys.inbox, "order-7") is not None
-    assert await claim(broker, view, ["order-7"]) == [1]
-    assert await broker.trim_inbox(view, now_ms() + 1) == 2  # the zset is trimmed by the window, as before
+    await broker.redis.zadd(view.keys.inbox, {"order-6": now_ms() - 1000})  # an older client's record of an app id
+    assert await claim(broker, view, ["order-6"]) == [1]
+    await record(broker, view, ["order-7"])  # not a UUIDv7/v8: kept by its hash, not in the zset
+    assert await broker.redis.zscore(view.keys.inbox, "order-7") is None
+    assert await claim(broker, view, ["order-7", "order-8"]) == [1, 0]
+    assert await broker.trim_inbox(view, now_ms() + 1) == 2  # the old records in the zset are trimmed as before
 
 
 async def test_unsubscribe_deletes_the_buckets(broker: RedisBroker) -> None:
@@ -246,6 +248,7 @@ async def test_status_flags_a_group_past_its_memory_budget(redis_url: str, names
     assert group["inbox_ids_per_s"] == pytest.approx(400, rel=0.01)
     expected = 400 * 7 * 24 * 3600 * INBOX_BYTES_PER_ID  # bytes per id x rate x window
     assert group["inbox_bytes"] == pytest.approx(expected, rel=0.01)
+    assert group["inbox_bytes_per_id"] == INBOX_BYTES_PER_ID
     [line] = over_budget([state], 256 * 2**20)
     assert "'billing'" in line and "'mem.busy'" in line and "400.0 ids/s" in line
     assert over_budget([state], 2**40) == []
@@ -253,6 +256,7 @@ async def test_status_flags_a_group_past_its_memory_budget(redis_url: str, names
     out = run_cli("status", "mem.busy", env=env)
     assert out.returncode == 0, out.stderr
     assert "inbox" in out.stdout and "more than the 256.0 MiB budget" in out.stdout
+    assert f"({INBOX_BYTES_PER_ID} B/id)" in out.stdout.replace("\n", "")
     quiet = run_cli("status", "mem.busy", "--inbox-budget", "1TiB", env=env)
     assert "budget" not in quiet.stdout
 
@@ -282,3 +286,46 @@ async def test_a_worker_warns_at_start_when_the_inbox_outgrows_its_budget(redis_
     [warning] = events
     assert warning["log_level"] == "warning" and warning["ids_per_s"] == pytest.approx(10, rel=0.01)
     assert warning["inbox_mib"] > warning["budget_mib"] == 1.0
+
+
+async def test_the_leased_read_makes_the_records_python_makes(broker: RedisBroker) -> None:
+    """intake.lua derives each id's record itself: for every shape of id it must be the record the
+    ack (Python) wrote, or a processed message read again would run again."""
+    view = await _view(broker, "mem.shapes")
+    v7 = new_id()
+    odd = [
+        v7,
+        v7.upper(),
+        derive_id(new_id(), "x"),
+        "0190a3f0-0000-4000-8000-000000000000",  # a UUIDv4
+        "0190a3f0-0000-7000-8000-00000000000g",  # not hex
+        v7[:8] + v7[9] + "-" + v7[10:],  # a dash out of place
+        "order-7",
+        "naïve-ü-42",
+        "x" * 300,
+    ]
+    await record(broker, view, odd)
+    await broker.publish([Envelope(destination="mem.shapes", kind="command", type="t", body=b"{}", id=i) for i in odd])
+    got = await broker.read_leased(view, "c", 100, 0, lease_ms=60_000)
+    assert [d.message_id for d in got] == odd
+    assert [d.inbox_status for d in got] == [1] * len(odd)
+
+
+async def test_application_ids_cost_at_most_32_bytes(broker: RedisBroker) -> None:
+    """Ids the application chose (not UUIDv7/v8) are kept by a 128-bit hash in compact buckets:
+    at most 32 bytes each, found again, new ones not mistaken for them (issue #33)."""
+    view = await _view(broker, "mem.app")
+    n = 20_000
+    ids = [f"m{i:07d}" for i in range(n)]
+    for i in range(0, n, 500):
+        await record(broker, view, ids[i : i + 500])
+    keys = [k async for k in broker.redis.scan_iter(f"{view.keys.inbox}:h*", count=1000)]
+    used = sum([int(await broker.redis.memory_usage(k, samples=0)) + 56 for k in keys])  # + keyspace, expiry
+    assert used / n <= 32, f"{used / n:.1f} bytes per id"
+    assert await broker.redis.zcard(view.keys.inbox) == 0  # nothing in the zset
+    assert await claim(broker, view, random.sample(ids, 1000)) == [1] * 1000
+    assert await claim(broker, view, [f"m{i:07d}" for i in range(n, n + 1000)]) == [0] * 1000
+    memory = await inbox_memory(broker, view)
+    assert memory.bucket_ids == n and memory.ids == n + 1000  # (the zset holds the 1000 new leases)
+    await broker.unsubscribe(view.spec, "g")
+    assert [k async for k in broker.redis.scan_iter(f"{view.keys.inbox}*", count=1000)] == []

@@ -95,3 +95,38 @@ async def check_trim_inbox_keeps_records_inside_the_window(make: BrokerFactory, 
         await broker.publish([copy])
         [again] = await broker.read(view, "a", 10, 10)
         assert await inbox.inbox_claim(view, [again], 60_000) == [DUPLICATE], "trim_inbox forgot a recent record"
+
+
+@check(requires=("inbox",))
+async def check_read_leased_takes_the_leases_of_what_it_reads(make: BrokerFactory, features: Features) -> None:
+    """``read_leased``: each delivery comes with the status ``inbox_claim`` would give it (or None for the
+    caller to claim), and what it leased is held: a copy read meanwhile is left (2), a processed one is
+    a duplicate (1). Ids of any shape: the transport's own, UUIDs of other versions, application ids."""
+    names = Names()
+    async with one_broker(make) as broker:
+        inbox = as_inbox(broker)
+        spec = await broker.declare(DestinationSpec(names("billing.refund"), "command"))
+        [view] = await broker.subscribe(spec, "billing")
+        ids = ["order-7", "0190a3f0-0000-4000-8000-000000000000", "naïve-ü-42", "x" * 200]
+        sent = [command(spec.name, i) for i in range(len(ids) + 1)]
+        for env, mid in zip(sent, ids, strict=False):
+            env.id = mid
+        await broker.publish(sent)
+        got = await inbox.read_leased(view, "a", 100, 10, lease_ms=60_000)
+        assert [d.message_id for d in got] == [e.id for e in sent]
+        unchecked = [d for d in got if d.inbox_status is None]
+        if unchecked:
+            for d, status in zip(unchecked, await inbox.inbox_claim(view, unchecked, 60_000), strict=True):
+                d.inbox_status = status
+        assert [d.inbox_status for d in got] == [RUN] * len(sent), "new ids are leased to the reader"
+        copies = [command(spec.name, i) for i in range(len(sent))]
+        for env, original in zip(copies, sent, strict=True):
+            env.id = original.id
+        await broker.publish(copies[:2])
+        assert await broker.ack(view, got[:1], inbox=True) == 1
+        again = await inbox.read_leased(view, "b", 100, 10, lease_ms=60_000)
+        statuses: list[int | None] = [d.inbox_status for d in again]
+        if None in statuses:
+            statuses = list(await inbox.inbox_claim(view, again, 60_000))
+        assert statuses == [DUPLICATE, ELSEWHERE], f"a processed copy is a duplicate, one running elsewhere: {statuses}"
+        assert await inbox.read_leased(view, "b", 100, 0, lease_ms=60_000) == [], "nothing new: nothing read"

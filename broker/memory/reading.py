@@ -191,3 +191,32 @@ class Reading(MemoryCore):
         statuses = inbox.claim([d.message_id for d in ordered], len(first), lease_ms, wall_ms(), window_ms)
         status = {id(d): s for d, s in zip(ordered, statuses, strict=True)}
         return [status[id(d)] for d in deliveries]
+
+    async def read_leased(
+        self,
+        source: GroupPartition,
+        consumer: str,
+        count: int,
+        block_ms: int,
+        *,
+        lease_ms: int,
+        window_ms: int = 0,
+        channel: Any = None,
+        token: int | None = None,
+    ) -> list[Delivery]:
+        """:meth:`read`, then the read deliveries leased as :meth:`inbox_claim` leases them (nothing
+        runs in between: one step of the event loop), their ``inbox_status`` set."""
+        got = await self.read(source, consumer, count, block_ms, token=token)
+        if got:
+            inbox = self.server.group(source.stream, source.group).inbox
+            valid = [d for d in got if d.envelope is not None]
+            for d, status in zip(
+                valid,
+                inbox.claim([d.message_id for d in valid], len(valid), lease_ms, wall_ms(), window_ms),
+                strict=True,
+            ):
+                d.inbox_status = status
+            for d in got:
+                if d.envelope is None:
+                    d.inbox_status = 0
+        return got

@@ -16,7 +16,7 @@ from broker.envelope import now_ms
 from broker.errors import ConfigurationError
 from broker.protocol import GroupPartition
 from broker.redis.core import text
-from broker.redis.keys import INBOX_SLOT_MS, inbox_slot
+from broker.redis.keys import INBOX_SLOT_MS, hashed_generations, inbox_slot
 from broker.redis.topology import Topology
 from broker.topology import DestinationSpec
 
@@ -68,7 +68,11 @@ class Administration(Topology):
             for i in range(0, len(listed), 1000):
                 deleted += int(await self.redis.delete(*listed[i : i + 1000]))
             deleted += int(await self.redis.delete(meta, f"{meta}:k"))
-        return deleted + int(await self.redis.delete(base, f"{base}:info"))
+        for start, bits, _ in hashed_generations(await self.redis.hget(f"{base}:h", "g")):  # ids kept by their hash
+            for i in range(0, 1 << bits, 1000):  # (every bucket a generation may have: no list is kept)
+                names = [f"{base}:h:{start:x}:{p:x}" for p in range(i, min(i + 1000, 1 << bits))]
+                deleted += int(await self.redis.delete(*names))
+        return deleted + int(await self.redis.delete(base, f"{base}:info", f"{base}:h"))
 
     async def unsubscribe(self, spec: DestinationSpec, group: str) -> None:
         """Remove ``group`` from every partition of ``spec`` with its retry, DLQ and inbox keys.

@@ -1,7 +1,7 @@
 """The Redis Streams transport: the Broker contract on Redis >= 6.2 or Valkey (single node or Cluster).
 
-:class:`RedisBroker` is one facade over seven roles, each a module of ``broker/redis/`` named for its
-job (topology, publishing, reading, settlement, state, administration, leases). Why mixins rather than
+:class:`RedisBroker` is one facade over eight roles, each a module of ``broker/redis/`` named for its
+job (topology, publishing, reading, intake, settlement, state, administration, leases). Why mixins rather than
 a facade forwarding to role objects:
 
 * the public methods stay exactly what they were (same names, signatures, docstrings and code),
@@ -18,6 +18,7 @@ from __future__ import annotations
 from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, REDIS, SCHEDULING, STATE
 from broker.redis.administration import Administration
 from broker.redis.inspect import Inspection
+from broker.redis.intake import Intake
 from broker.redis.leases import Leases
 from broker.redis.publishing import Publishing
 from broker.redis.reading import Reading
@@ -26,12 +27,12 @@ from broker.redis.state import StateStorage
 
 __all__ = ["ROLES", "RedisBroker"]
 
-ROLES: tuple[type, ...] = (Publishing, Reading, Settlement, StateStorage, Administration, Leases, Inspection)
+ROLES: tuple[type, ...] = (Publishing, Reading, Intake, Settlement, StateStorage, Administration, Leases, Inspection)
 """The role mixins :class:`RedisBroker` is made of (topology comes in through four of them; leases
-build on reading, state on scheduling)."""
+and the leased read build on reading, state on scheduling)."""
 
 
-class RedisBroker(Publishing, Leases, Reading, Settlement, StateStorage, Administration, Inspection):
+class RedisBroker(Publishing, Leases, Intake, Reading, Settlement, StateStorage, Administration, Inspection):
     """Broker on Redis Streams. Use :func:`broker.connect` to build one from a URL.
 
     One instance is safe to share between tasks of one event loop (not between threads or event

@@ -86,6 +86,7 @@ class RedisCore:
         # ensure_declared; tools that change the registry behind the broker's back clear it.
         self._specs: dict[str, DestinationSpec] = {}
         self._claim_cursor: dict[tuple[str, str], str] = {}  # (stream, group) -> XAUTOCLAIM cursor
+        self._backlog: dict[tuple[str, str], bool] = {}  # (stream, consumer) -> the last read was full (intake)
         self._pkeys: dict[tuple[str, int], PartitionKeys] = {}
         self._commits: CommitBatcher | None = None  # effects commits from many tasks (made on first use)
         self._reads: ReadBatcher | None = None  # reads from many tasks (made on first use)

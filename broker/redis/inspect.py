@@ -28,7 +28,7 @@ from broker.introspection import (
     select_destinations,
 )
 from broker.protocol import GroupPartition
-from broker.redis.keys import INBOX_SLOT_MS, inbox_slot
+from broker.redis.keys import INBOX_SLOT_MS, hashed_generations, inbox_slot
 from broker.redis.topology import Topology
 from broker.topology import DestinationSpec
 
@@ -60,7 +60,8 @@ _RATE_SLOTS = 4  # the rate is the busiest of the last complete slots (about an 
 
 
 async def inbox_memory(broker: Topology, view: GroupPartition, *, now: int | None = None) -> InboxMemory:
-    """Read what ``view``'s inbox holds (one pipelined round trip of HGETs and a ZCARD; no SCAN).
+    """Read what ``view``'s inbox holds (one pipelined round trip of HGETs and a ZCARD; no SCAN),
+    ids kept by their time and by their hash alike.
 
     Counts the slots that ids of the window's time fall in (ids far older, from a replay, are
     remembered all the same but not counted here).
@@ -72,14 +73,25 @@ async def inbox_memory(broker: Topology, view: GroupPartition, *, now: int | Non
     first, last = (now - window) // INBOX_SLOT_MS - 1, now // INBOX_SLOT_MS + 1
     pipe = broker.redis.pipeline(transaction=False)
     pipe.zcard(base)
+    pipe.hget(f"{base}:h", "g")
     for slot in range(first, last + 1):
         pipe.hget(f"{base}:{inbox_slot(slot * INBOX_SLOT_MS)}", "n")
-    zcard, *counts = await pipe.execute()
+    zcard, raw_gens, *counts = await pipe.execute()
     per_slot = [int(c or 0) for c in counts]
     current = now // INBOX_SLOT_MS - first  # index of the slot now is in
     recent = per_slot[max(current - _RATE_SLOTS, 0) : current] or [0]
     rate = max(recent) / (INBOX_SLOT_MS / 1000)
-    return InboxMemory(int(zcard) + sum(per_slot), sum(per_slot), rate, window)
+    # Ids kept by their hash (inbox_hashed.lua): the generations whose buckets have not expired;
+    # their rate is the last complete generation's (the current one's while it is the only one).
+    gens = hashed_generations(raw_gens)
+    live = [g for i, g in enumerate(gens) if i + 1 == len(gens) or gens[i + 1][0] + window >= now]
+    hashed = sum(count for _, _, count in live)
+    if len(gens) >= 2:
+        (start, _, count), (end, _, _) = gens[-2], gens[-1]
+        rate += count / max((end - start) / 1000, 0.001)
+    elif gens:
+        rate += gens[0][2] / max((now - gens[0][0]) / 1000, 1.0)
+    return InboxMemory(int(zcard) + sum(per_slot) + hashed, sum(per_slot) + hashed, rate, window)
 
 
 def _text(v: Any) -> str:

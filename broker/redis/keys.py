@@ -57,6 +57,7 @@ window, so whole buckets expire a window after their last write.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 
@@ -69,7 +70,10 @@ __all__ = [
     "GroupKeys",
     "KeySpace",
     "PartitionKeys",
+    "INBOX_HASHED",
     "compact_id",
+    "hashed_generations",
+    "hashed_record",
     "inbox_record",
     "inbox_records",
     "inbox_slot",
@@ -81,28 +85,34 @@ INBOX_SLOT_MS = 1 << 20
 """Milliseconds of id time one inbox slot covers (17.5 minutes)."""
 
 
+_UUID78 = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[78][0-9a-fA-F]{3}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+INBOX_HASHED = 1
+"""The 7th byte of the inbox record of an id that is not a UUIDv7/v8 (a hash; see :func:`inbox_record`)."""
+
+
 def compact_id(message_id: str) -> bytes:
-    """The 16 bytes of a UUIDv7/v8 text id (kept in the inbox's buckets); ``b""`` for any other id
-    (kept in the inbox zset). The inbox scripts take it from the caller (``broker/redis/lua/inbox_store.lua``)."""
-    if len(message_id) != 36 or message_id[14] not in "78":
+    """The 16 bytes of a UUIDv7/v8 text id (8-4-4-4-12 hex digits, either case); ``b""`` for any
+    other id. The inbox keeps these ids by their time (``broker/redis/lua/inbox_store.lua``)."""
+    if len(message_id) != 36 or _UUID78.fullmatch(message_id) is None:
         return b""
-    try:
-        raw = bytes.fromhex(message_id.replace("-", ""))
-    except ValueError:  # not hex
-        return b""
-    return raw if len(raw) == 16 else b""  # (fromhex skips whitespace: 16 bytes only from 32 hex digits)
+    return bytes.fromhex(message_id.replace("-", ""))
 
 
-_ZERO_RECORD = bytes(16)
+def hashed_record(message_id: str) -> bytes:
+    """The inbox record of an id that is not a UUIDv7/v8: the first 16 bytes of its SHA-1 with the
+    7th byte set to :data:`INBOX_HASHED` (``broker/redis/lua/inbox_hashed.lua`` computes the same in
+    Lua and states the collision odds)."""
+    digest = hashlib.sha1(message_id.encode(), usedforsecurity=False).digest()
+    return digest[:6] + b"\x01" + digest[7:16]
 
 
 def inbox_records(message_ids: Sequence[str]) -> bytes:
-    """The ids' 16-byte inbox records in one string, as the inbox scripts take them: each UUIDv7/v8
-    id's :func:`compact_id`, 16 zero bytes for any other id (kept in the inbox zset)."""
+    """The ids' 16-byte inbox records in one string, as the inbox scripts take them (:func:`inbox_record`)."""
     n = len(message_ids)
     joined = "".join(message_ids)
     # A fetched batch of the framework's own ids converts in a few C calls, not a call per id: every
-    # id 36 characters with its dashes in place and version 7 or 8 gives exactly compact_id's bytes.
+    # id 36 characters with its dashes in place, version 7 or 8 and hex digits elsewhere gives
+    # exactly compact_id's bytes.
     if (
         n
         and set(map(len, message_ids)) == {36}
@@ -119,12 +129,26 @@ def inbox_records(message_ids: Sequence[str]) -> bytes:
             raw = b""
         if len(raw) == 16 * n:  # (fromhex skips whitespace: a shorter result means some id had some)
             return raw
-    return b"".join([compact_id(i) or _ZERO_RECORD for i in message_ids])
+    return b"".join([inbox_record(i) for i in message_ids])
 
 
 def inbox_record(message_id: str) -> bytes:
-    """One id's 16-byte inbox record (see :func:`inbox_records`)."""
-    return compact_id(message_id) or _ZERO_RECORD
+    """One id's 16-byte inbox record: a UUIDv7/v8's own 16 bytes (:func:`compact_id`), else
+    :func:`hashed_record`. The Lua scripts derive the same record from the id (``inbox_record_of``)."""
+    return compact_id(message_id) or hashed_record(message_id)
+
+
+def hashed_generations(raw: bytes | str | None) -> list[tuple[int, int, int]]:
+    """The generations of an inbox's hashed ids (``<inbox>:h`` field ``g``, written by
+    ``inbox_hashed.lua``): (start Unix ms, bits of the bucket number, ids recorded), oldest first."""
+    if not raw:
+        return []
+    value = raw.decode() if isinstance(raw, bytes) else raw
+    out = []
+    for part in value.split(","):
+        start, bits, count = part.split(":")
+        out.append((int(start), int(bits), int(count)))
+    return out
 
 
 def inbox_slot(time_ms: int) -> str:

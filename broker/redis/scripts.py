@@ -30,6 +30,7 @@ _NAMES = (
     "publish_batch",
     "lease",
     "owned_intake",
+    "intake",
     "members",
     "schedule_add",
     "schedule_batch",
@@ -82,8 +83,8 @@ the inbox's buckets, ``inbox_store.lua``); the SHA is that of the expanded sourc
 def _expand(base: Any, source: str) -> str:
     lines = []
     for line in source.splitlines(keepends=True):
-        if line.startswith(_INCLUDE):
-            line = (base / f"{line[len(_INCLUDE) :].strip()}.lua").read_text()
+        if line.startswith(_INCLUDE):  # (included files may include others)
+            line = _expand(base, (base / f"{line[len(_INCLUDE) :].strip()}.lua").read_text())
         lines.append(line)
     return "".join(lines)
 

@@ -6,7 +6,7 @@
 A table on a terminal, ``--json`` for scripts; the figures come from the transport's introspection
 (:meth:`~broker.introspection.Introspection.describe`).
 The ``inbox`` column is the server memory a group's Redis inbox needs over its whole dedup window
-at its recent rate (bytes per id x ids per second x window); a footer line names every group past
+at its recent rate (bytes per id, shown beside it, x ids per second x window); a footer line names every group past
 the budget (``--inbox-budget``, default ``$FRAMEWORK_INBOX_MEMORY_BUDGET``, else 256 MiB).
 
 Destinations whose partitions are owned (docs/partition-ownership.md) get a second table, one row per
@@ -130,7 +130,7 @@ def _table(states: list[DestinationState], namespace: str) -> Any:
                     str(g["lag"]),
                     str(g["delayed"]),
                     str(g["dead_letters"]),
-                    _mib(g["inbox_bytes"]),
+                    f"{_mib(g['inbox_bytes'])} ({g['inbox_bytes_per_id']:.0f} B/id)",
                 ]
                 if g
                 else ["(no group)", "", "", "", "", "", ""]

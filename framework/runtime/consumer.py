@@ -109,9 +109,22 @@ class Consumer:
                         intake_tg.start_soon(
                             supervise, f"{name}.retries", every, settings.retry_interval, upkeep.move_due, ledger
                         )
+                        intake_tg.start_soon(supervise, f"{name}.copies", self._admit_copies, ledger)
             finally:
                 if intake_done is not None:
                     intake_done.set()
+
+    async def _admit_copies(self, ledger: Ledger) -> None:
+        """Admit again the copies the inbox deferred (:meth:`Ledger.defer_copies`) once the run of their
+        message here has settled: the inbox then finds it processed (a duplicate) or free again."""
+        give_up = self.wiring.lease_ms / 2000  # (then left pending for the visibility timeout, as before)
+        while True:
+            await ledger.copies_wakeup.wait()
+            await anyio.sleep(0.01)
+            ready = ledger.settled_copies(give_up)
+            if ready:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                    await self.admission.admit(ledger, ready)
 
     async def _fetch_guarded(self, ledger: Ledger, name: str) -> None:
         with anyio.CancelScope() as scope:

@@ -19,6 +19,7 @@ entries of its keys.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import anyio
@@ -110,6 +111,13 @@ class Fetcher:
         token = lease.token if lease is not None else None
         clock = time.monotonic
         channel = broker.channel()  # this fetcher's own connection: reads and inbox checks
+        read = broker.read
+        if self.wiring.handler.inbox:  # the read takes the inbox leases of what it reads (one round trip)
+            read = functools.partial(
+                self.wiring.inbox_store.read_leased,
+                lease_ms=self.wiring.lease_ms,
+                window_ms=int(settings.inbox_window * 1000),
+            )
         try:
             while True:
                 if ledger.in_flight > prefetch:
@@ -126,7 +134,7 @@ class Fetcher:
                         await anyio.sleep(0.01)  # the next renewal extends it
                         continue
                 try:
-                    deliveries = await broker.read(ledger.view, consumer, prefetch, wait, channel=channel, token=token)
+                    deliveries = await read(ledger.view, consumer, prefetch, wait, channel=channel, token=token)
                 except LeaseLost:  # fenced: the server refused the read (nothing taken)
                     assert lease is not None
                     lease.lose("a read was refused: another instance holds the partition's lease")

@@ -23,6 +23,7 @@ stays pending (an unreachable broker, a lease held elsewhere) is forgotten at on
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
@@ -124,6 +125,8 @@ class Ledger:
         "ack_lock",
         "ack_wakeup",
         "capacity",
+        "copies",
+        "copies_wakeup",
         "held",
         "in_flight",
         "lease",
@@ -146,6 +149,8 @@ class Ledger:
         self.prune_at = 0.0  # monotonic time of the next sweep of departed consumers
         self.lease: Lease | None = None  # set for an owned partition's tenure
         self.taken_over = False  # an owned tenure has claimed what earlier owners left pending
+        self.copies: list[tuple[Delivery, float]] = []  # (copy, deferred at) of messages running here
+        self.copies_wakeup = anyio.Event()
 
     @property
     def fence(self) -> int | None:
@@ -193,6 +198,32 @@ class Ledger:
             if held.pop(d.entry_id, None) is not None:
                 self.in_flight -= 1
         self.capacity.set()
+
+    def defer_copies(self, copies: Sequence[Delivery]) -> None:
+        """Copies of messages this partition is running now (their inbox lease is the run's): checked
+        again once the run has settled (:meth:`settled_copies`), not left for the visibility timeout."""
+        now = time.monotonic()
+        self.copies += [(d, now) for d in copies]
+        self.copies_wakeup.set()
+
+    def settled_copies(self, give_up_after: float) -> list[Delivery]:
+        """The deferred copies whose message no longer runs here (their inbox status reset, to be
+        admitted again); copies deferred longer than ``give_up_after`` seconds are dropped (they stay
+        pending, claimed after the visibility timeout as any entry left pending)."""
+        running = {d.message_id for d, _ in self.held.values()}
+        now = time.monotonic()
+        ready: list[Delivery] = []
+        waiting: list[tuple[Delivery, float]] = []
+        for d, at in self.copies:
+            if d.message_id not in running:
+                d.inbox_status = None
+                ready.append(d)
+            elif now - at < give_up_after:
+                waiting.append((d, at))
+        self.copies = waiting
+        if not waiting:
+            self.copies_wakeup = anyio.Event()
+        return ready
 
     def queue_acks(self, deliveries: list[Delivery]) -> None:
         """Processed deliveries: queue their acks for the flusher and release them."""

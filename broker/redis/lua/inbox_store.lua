@@ -22,7 +22,10 @@
 -- recorded is always looked up where it was written (a bucket's key names its S).
 -- Every write sets the expiry of the keys it touched to the window from now: whole buckets expire
 -- a window after their last write, with no per-id trimming.
--- Only commands of the documented worker ACL are used (HGET, HMGET, HSET, HLEN, SADD, PEXPIRE).
+-- Only commands of the documented worker ACL are used (HGET, HMGET, HSET, HLEN, SADD, PEXPIRE, TIME).
+--
+-- Any other id is kept by its hash (inbox_hashed.lua, included here): its record's 7th byte is 1.
+--#include inbox_hashed
 local INBOX_FILL = 64
 local INBOX_MAX = 128
 local INBOX_SPARSE = 8
@@ -33,6 +36,7 @@ local INBOX_DEFAULT_WINDOW = 7 * 24 * 3600 * 1000
 
 local inbox_metas = {}    -- slot number -> {key, r = {{t, s}, ...}, n, h, dirty} or false
 local inbox_pt, inbox_pf = {}, {}  -- ids to record (inbox_record_all): their times, their 13-byte fields
+local inbox_hp = {}  -- hashed records to record (inbox_record_all)
 
 -- The scripts take the ids' 16-byte forms from the caller as one string of 16-byte records
 -- (broker.redis.keys.inbox_records: 16 zero bytes for ids that are not UUIDv7/v8, kept in the zset):
@@ -46,11 +50,12 @@ local INBOX_POW = {}  -- 2^S, S = 0..20
 for i = 0, 20 do INBOX_POW[i] = 2 ^ i end
 
 -- The id time (48-bit Unix ms, exact in a Lua number) of the record at offset o (0-based) of a
--- string of 16-byte records, or nil for a zero record (an id that is not UUIDv7/v8: its 7th byte,
--- the version, is never 0 otherwise).
+-- string of 16-byte records, or nil for a zero record (from an older client: an id that is not
+-- UUIDv7/v8, kept in the zset) or a hashed record: their 7th byte is 0 or 1, a UUID's version
+-- byte 0x7? or 0x8?.
 local function inbox_t(recs, o)
   local a, b, c, d, e, f, v = string.byte(recs, o + 1, o + 7)
-  if v == 0 then return nil end
+  if v < 112 then return nil end
   return ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f
 end
 
@@ -110,12 +115,16 @@ end
 -- per bucket.
 local function inbox_seen_many(base, recs, count)
   local seen, order, groups = {}, {}, {}
+  local hidx, hrecs = {}, {}  -- hashed records
   local lo, hi, g = 0, -1, nil  -- the span the previous id's bucket covers (g false: no records there)
   for i = 1, count do
     seen[i] = false
     local o = (i - 1) * 16
     local t = inbox_t(recs, o)
-    if t then
+    if not t and string.byte(recs, o + 7) == INBOX_HASHED then
+      hidx[#hidx + 1] = i
+      hrecs[#hrecs + 1] = string.sub(recs, o + 1, o + 16)
+    elseif t then
       if t < lo or t >= hi then
         local slot = math.floor(t / INBOX_SLOT)
         local m = inbox_meta(base, slot)
@@ -150,6 +159,7 @@ local function inbox_seen_many(base, recs, count)
       end
     end
   end
+  if #hidx > 0 then inbox_hseen(base, hidx, hrecs, seen) end
   return seen
 end
 
@@ -165,6 +175,8 @@ local function inbox_record_all(recs, count)
       n = n + 1
       pt[n] = t
       pf[n] = string.sub(recs, o + 4, o + 16)
+    elseif string.byte(recs, o + 7) == INBOX_HASHED then
+      inbox_hp[#inbox_hp + 1] = string.sub(recs, o + 1, o + 16)
     end
   end
 end
@@ -190,6 +202,11 @@ end
 -- Record the queued ids: per slot, its info; per bucket, one HSET (ids a bucket already holds are
 -- no-ops), an HLEN when something was added, its expiry set to the window.
 local function inbox_flush(base)
+  if #inbox_hp > 0 then
+    local hp = inbox_hp
+    inbox_hp = {}
+    inbox_hrecord(base, hp)
+  end
   local pt, pf = inbox_pt, inbox_pf
   if #pt == 0 then return end
   inbox_pt, inbox_pf = {}, {}

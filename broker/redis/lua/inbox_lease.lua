@@ -1,0 +1,51 @@
+-- inbox_lease.lua: check ids against the group's inbox and lease the new ones; included (not run
+-- alone) by inbox_claim.lua and intake.lua, after inbox_store.lua.
+--
+-- base    the group's inbox zset (see inbox_claim.lua)
+-- now     Unix ms; lease_ms: the lease's length; window: the group's dedup window, ms, as text
+--         (stored in <inbox>:info for the scripts that record ids; '0' leaves it as it is)
+-- ids     a table holding the c message ids at ids[off + 1 .. off + c]; the first n are first
+--         deliveries (they respect a live lease held elsewhere), the rest redeliveries (they take
+--         over a lease whose holder timed out, or that is our own)
+-- recs    the ids' 16-byte records in one string (broker.redis.keys.inbox_records)
+-- Returns one status per id, in order: 0 = leased to the caller (run it), 1 = already processed
+-- (a duplicate: ack it without running), 2 = being processed elsewhere under a live lease.
+-- One ZMSCORE and one variadic ZADD per 1000 ids (not one call per id); the buckets are checked
+-- with one HMGET per bucket the ids fall in (a handful per batch).
+local function inbox_lease(base, now, lease_ms, window, ids, off, n, c, recs)
+  if window ~= '0' and redis.call('HGET', base .. ':info', 'window') ~= window then
+    redis.call('HSET', base .. ':info', 'window', window)
+  end
+  local lease = -(now + lease_ms)
+  -- unpack() fails beyond about 8000 values (Lua's C stack) and a fetch may hold more (2 x
+  -- prefetch): every variadic call goes in chunks of 1000 ids.
+  local CHUNK = 1000
+  local scores = {}
+  for first = off + 1, off + c, CHUNK do
+    local part = redis.call('ZMSCORE', base, unpack(ids, first, math.min(first + CHUNK - 1, off + c)))
+    for j = 1, #part do scores[first - off - 1 + j] = part[j] end
+  end
+  local seen = inbox_seen_many(base, recs, c)
+  local out, zadd, taken = {}, {}, {}
+  local z = 0
+  for i = 1, c do
+    local id = ids[off + i]
+    local s = scores[i]
+    if s then s = tonumber(s) end
+    if (s and s >= 0) or seen[i] then
+      out[i] = 1
+    elseif (s and -s > now and i <= n) or taken[id] then
+      out[i] = 2  -- a live lease elsewhere, or a second copy in this very batch (the first one runs)
+    else
+      taken[id] = true
+      zadd[z + 1] = lease - i / 1024  -- distinct scores insert faster than ties (no member compares)
+      zadd[z + 2] = id
+      z = z + 2
+      out[i] = 0
+    end
+  end
+  for first = 1, z, 2 * CHUNK do
+    redis.call('ZADD', base, unpack(zadd, first, math.min(first + 2 * CHUNK - 1, z)))
+  end
+  return out
+end
