@@ -17,7 +17,16 @@ from broker.errors import BrokerUnavailable
 from broker.protocol import Broker
 from broker.urls import default_namespace, redact
 
-__all__ = ["AMQP_SCHEMES", "MEMORY_SCHEMES", "REDIS_SCHEMES", "connect", "default_namespace", "is_memory_url", "redact", "resolve_url"]
+__all__ = [
+    "AMQP_SCHEMES",
+    "MEMORY_SCHEMES",
+    "REDIS_SCHEMES",
+    "connect",
+    "default_namespace",
+    "is_memory_url",
+    "redact",
+    "resolve_url",
+]
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 MEMORY_SCHEMES = ("memory",)

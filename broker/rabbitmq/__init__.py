@@ -101,7 +101,7 @@ async def connect_rabbitmq(url: str, *, namespace: str | None = None) -> RabbitB
             f"cannot reach RabbitMQ at {where} ({type(exc).__name__}): start it (rabbitmq-server -detached) "
             "or fix BROKER_URL"
         ) from None
-    broker = RabbitBroker(connection, url=url, namespace=namespace or default_namespace(), **options)  # type: ignore[arg-type]
+    broker = RabbitBroker(connection, url=url, namespace=namespace or default_namespace(), **options)
     try:
         if broker.server_version and tuple(int(x) for x in broker.server_version.split(".")[:2]) < (3, 10):
             raise BrokerUnavailable(

@@ -37,4 +37,5 @@ class RabbitBroker(Inspection):
         self._feeds = {}
         self._held = {}
         self._seen = {}
+        self._starting = {}
         self._attempts = {}

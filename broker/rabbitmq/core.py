@@ -95,9 +95,9 @@ def fields_of_message(message: aio_pika.abc.AbstractIncomingMessage) -> list[byt
                 flat += (name, _text(headers[_CORE_HEADERS[name]]))
     elif message.body:
         flat += (b"body", message.body)
-    for name, value in headers.items():
-        if not name.startswith(("fw-", "x-")):  # ours (read above) and the server's (x-death, ...)
-            flat += (name.encode(), _text(value))
+    for header, value in headers.items():
+        if not header.startswith(("fw-", "x-")):  # ours (read above) and the server's (x-death, ...)
+            flat += (header.encode(), _text(value))
     return flat
 
 
@@ -125,8 +125,8 @@ def message_of_fields(
         else:
             try:
                 headers[name.decode()] = value.decode()
-            except UnicodeDecodeError:
-                headers[name.decode(errors="replace")] = value
+            except UnicodeDecodeError:  # kept as an AMQP byte array
+                headers[name.decode(errors="replace")] = bytearray(value)
     if extra:
         headers.update(extra)
     return aio_pika.Message(
@@ -195,7 +195,7 @@ class RabbitCore:
     def _delivery(self, source: GroupPartition, message: aio_pika.abc.AbstractIncomingMessage, entry: str) -> Delivery:
         """The delivery of one message read from ``source``'s queue (decoded as the Redis broker decodes)."""
         raw = fields_of_message(message)
-        count = 1 + int((message.headers or {}).get("x-delivery-count", 0) or 0)
+        count = 1 + int(str((message.headers or {}).get("x-delivery-count", 0) or 0))
         try:
             env = decode_flat(raw, source.spec.name, source.spec.kind, self.max_body_bytes)
         except DecodeError as exc:

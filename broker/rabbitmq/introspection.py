@@ -74,9 +74,11 @@ class Inspection(Administration):
 
     async def _length(self, spec: DestinationSpec, partition: int, groups: Sequence[str]) -> int:
         """Messages stored for a partition: its queue's, or a topic's fullest group queue's."""
-        queues = [self.group_partition(spec, partition, g).keys.queue for g in groups] if spec.is_topic else [
-            self.layout.queue(spec.name, partition)
-        ]
+        queues = (
+            [self.group_partition(spec, partition, g).keys.queue for g in groups]
+            if spec.is_topic
+            else [self.layout.queue(spec.name, partition)]
+        )
         lengths = [0]
         for queue in queues:
             ready, _ = await self._counts(queue)
@@ -126,9 +128,11 @@ class Inspection(Administration):
         groups = await self._groups(spec)
         found: dict[str, Envelope] = {}
         for p in range(spec.partitions):
-            queues = [self.group_partition(spec, p, g).keys.queue for g in groups] if spec.is_topic else [
-                self.layout.queue(spec.name, p)
-            ]
+            queues = (
+                [self.group_partition(spec, p, g).keys.queue for g in groups]
+                if spec.is_topic
+                else [self.layout.queue(spec.name, p)]
+            )
             for queue in queues:
                 feed = self._feeds.get(queue)
                 mine = [h.message for h in self._held.get(queue, {}).values()]

@@ -76,9 +76,7 @@ class Publishing(Reading):
         a returned event (no group subscribed) is not an error, anything else returned or refused is."""
         exchanges: dict[str, aio_pika.abc.AbstractExchange] = {}
         for name in {p[0] for p in plan}:
-            exchanges[name] = (
-                channel.default_exchange if name == "" else await channel.get_exchange(name, ensure=False)
-            )
+            exchanges[name] = channel.default_exchange if name == "" else await channel.get_exchange(name, ensure=False)
         sends = [exchanges[ex].publish(msg, key, mandatory=True, timeout=self.timeout) for ex, key, msg, _ in plan]
         results = await asyncio.gather(*sends, return_exceptions=True)
         for (_, key, _, topic), result in zip(plan, results, strict=True):

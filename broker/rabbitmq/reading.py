@@ -13,6 +13,7 @@ server's ``consumer_timeout``, 30 minutes on 3.10, has its channel closed and it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -64,6 +65,7 @@ class Reading(Topology):
     _feeds: dict[str, Feed]
     _held: dict[str, dict[str, Held]]  # queue -> entry id -> held, in delivery order
     _seen: dict[str, dict[str, float]]  # queue -> consumer name -> last read (monotonic ms)
+    _starting: dict[str, asyncio.Lock]
 
     def channel(self) -> Any:
         """None: reads come from this broker's consumer of each queue (nothing per task to hold)."""
@@ -72,6 +74,15 @@ class Reading(Topology):
     async def _feed(self, source: GroupPartition) -> Feed:
         """The consumer of ``source``'s queue, started on first use (again after its channel closed:
         what it held was requeued by the server, so it is forgotten here)."""
+        queue_name = source.keys.queue
+        feed = self._feeds.get(queue_name)
+        if feed is not None and feed.alive:
+            return feed
+        lock = self._starting.setdefault(queue_name, asyncio.Lock())
+        async with lock:  # concurrent first reads start one consumer
+            return await self._start_feed(source)
+
+    async def _start_feed(self, source: GroupPartition) -> Feed:
         queue_name = source.keys.queue
         feed = self._feeds.get(queue_name)
         if feed is not None and feed.alive:
@@ -93,10 +104,8 @@ class Reading(Topology):
         self._feeds[queue_name] = feed
         ready = queue.declaration_result.message_count or 0
         if ready and not feed.buffer:  # the queue holds messages: let the first ones arrive
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(feed.arrived.wait(), _FIRST_S)
-            except TimeoutError:
-                pass
         return feed
 
     def _entry_id(self, held: dict[str, Held], message: aio_pika.abc.AbstractIncomingMessage) -> str:

@@ -212,9 +212,7 @@ class Topology(RabbitCore, Routing):
     async def _exchange(self, name: str) -> aio_pika.abc.AbstractExchange:
         """A durable topic exchange of this namespace (declared once per broker)."""
         channel = await self._channel()
-        exchange = await channel.declare_exchange(
-            name, aio_pika.ExchangeType.TOPIC, durable=True, timeout=self.timeout
-        )
+        exchange = await channel.declare_exchange(name, aio_pika.ExchangeType.TOPIC, durable=True, timeout=self.timeout)
         self._ready.add(name)
         return exchange
 

@@ -1,0 +1,125 @@
+"""The RabbitMQ transport beyond the conformance kit: URLs, one-line errors, what services need of it, its layout.
+
+Runs on the local RabbitMQ (``tests/rabbitmq_server.py``: skipped when it is unreachable, failed under CI).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from urllib.parse import urlsplit, urlunsplit
+
+import attrs
+import pytest
+
+from broker import BrokerUnavailable, connect
+from broker.rabbitmq import RabbitBroker
+from broker.rabbitmq.names import DELAY_UNIT_MS, Layout, delay_bits
+from broker.topology import DestinationSpec
+from framework import Context, HandlerError, Service
+from framework.runtime.requirements import check_requirements
+from framework.testing import TEST_SETTINGS
+
+pytestmark = pytest.mark.anyio
+
+
+def _with(url: str, **parts: object) -> str:
+    return urlunsplit(urlsplit(url)._replace(**parts))
+
+
+async def test_amqp_urls_reach_the_rabbitmq_transport_and_read_the_server_version(rabbitmq_url: str) -> None:
+    broker = await connect(rabbitmq_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    try:
+        assert isinstance(broker, RabbitBroker) and broker.transport == "rabbitmq"
+        major, minor = (int(x) for x in broker.server_version.split(".")[:2])
+        assert (major, minor) >= (3, 10), f"server version {broker.server_version!r}"
+    finally:
+        await broker.close()
+
+
+async def test_wrong_credentials_are_one_line_without_the_password(rabbitmq_url: str) -> None:
+    parts = urlsplit(rabbitmq_url)
+    bad = _with(rabbitmq_url, netloc=f"{parts.username}:wrong-secret@{parts.hostname}:{parts.port or 5672}")
+    with pytest.raises(BrokerUnavailable, match="refused the login") as caught:
+        await connect(bad)
+    assert "wrong-secret" not in str(caught.value) and "\n" not in str(caught.value)
+
+
+async def test_a_missing_vhost_says_how_to_create_it(rabbitmq_url: str) -> None:
+    with pytest.raises(BrokerUnavailable, match="add_vhost no-such-vhost"):
+        await connect(_with(rabbitmq_url, path="/no-such-vhost"))
+
+
+async def test_an_unreachable_server_fails_fast_and_says_how_to_start_one() -> None:
+    started = time.monotonic()
+    with pytest.raises(BrokerUnavailable, match="rabbitmq-server -detached"):
+        await connect("amqp://guest:guest@127.0.0.1:1/?timeout=3")
+    assert time.monotonic() - started < 5, "connecting to a closed port took longer than its timeout"
+
+
+def test_a_missing_client_library_says_which_extra_to_install() -> None:
+    code = (
+        "import sys, asyncio; sys.modules['aio_pika'] = None\n"
+        "from broker import connect\n"
+        "try:\n    asyncio.run(connect('amqp://guest:guest@127.0.0.1:5672/'))\n"
+        "except Exception as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ)
+    assert "pip install 'framework[rabbitmq]'" in out.stdout, out.stdout + out.stderr
+
+
+async def test_a_queue_declared_earlier_with_other_arguments_is_a_clear_error(rabbitmq_url: str) -> None:
+    import aio_pika
+
+    namespace = f"t-{uuid.uuid4().hex[:8]}"
+    queue = Layout(namespace).queue("billing.refund", 0)
+    connection = await aio_pika.connect(rabbitmq_url)
+    try:
+        channel = await connection.channel()
+        await channel.declare_queue(queue, durable=True)  # a classic queue where a quorum one belongs
+        broker = await connect(rabbitmq_url, namespace=namespace)
+        try:
+            with pytest.raises(Exception, match="exists with other arguments"):
+                await broker.declare(DestinationSpec("billing.refund", "command"))
+        finally:
+            await broker.close()
+    finally:
+        channel = await connection.channel()
+        await channel.queue_delete(queue)
+        await connection.close()
+
+
+def test_delays_are_rounded_up_to_the_chain_resolution() -> None:
+    assert delay_bits(1).endswith(".0.0.1"), "1 ms waits one unit"
+    assert delay_bits(DELAY_UNIT_MS * 5).endswith(".1.0.1")
+    assert delay_bits(0).replace("0", "").replace(".", "") == "", "no delay: all zero"
+
+
+@attrs.frozen
+class Charge:
+    order_id: str
+
+
+async def test_services_needing_the_redis_inbox_are_refused_at_start_on_rabbitmq(rabbitmq_url: str) -> None:
+    """The transport has no inbox store: a handler with the default inbox stops the start, naming it;
+    one with ``inbox=False`` (or the SQL inbox) is accepted."""
+    billing = Service("billing")
+
+    @billing.command("billing.charge")
+    async def charge(cmd: Charge, ctx: Context) -> None: ...
+
+    lean = Service("lean", inbox=False)
+
+    @lean.command("lean.charge")
+    async def charge_lean(cmd: Charge, ctx: Context) -> None: ...
+
+    broker = await connect(rabbitmq_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    try:
+        with pytest.raises(HandlerError, match=r"rabbitmq transport lacks.*billing.charge needs 'inbox'"):
+            check_requirements(broker, [billing], TEST_SETTINGS)
+        check_requirements(broker, [lean], TEST_SETTINGS)
+    finally:
+        await broker.close()
