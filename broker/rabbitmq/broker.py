@@ -29,6 +29,10 @@ class RabbitBroker(Inspection):
 
     transport = "rabbitmq"
     capabilities = frozenset({DEAD_LETTER_ADMIN, INTROSPECTION})
+    exclusive_partitions = True
+    """The server delivers each partition of several to one consumer at a time (single active consumer):
+    the runtime needs no ownership leases to keep per-key order across processes (it reads every partition
+    and the server picks the one reader; another takes over when that one's channel closes)."""
 
     def __init__(self, connection: aio_pika.abc.AbstractConnection, **options: Any) -> None:
         super().__init__(connection, **options)

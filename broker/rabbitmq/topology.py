@@ -121,7 +121,7 @@ class Topology(RabbitCore, Routing):
             stored = spec
         if not spec.is_topic:
             for p in range(spec.partitions):
-                await self._declare_queue(self.layout.queue(spec.name, p))
+                await self._declare_queue(self.layout.queue(spec.name, p), exclusive=spec.partitions > 1)
         self._specs[spec.name] = stored
         return stored
 
@@ -169,14 +169,18 @@ class Topology(RabbitCore, Routing):
         views = [self.group_partition(spec, p, group) for p in range(spec.partitions)]
         if spec.is_topic:
             for view in views:
-                await self._declare_queue(view.keys.queue, topic=(spec.name, view.partition))
+                await self._declare_queue(
+                    view.keys.queue, exclusive=spec.partitions > 1, topic=(spec.name, view.partition)
+                )
         if (spec.name, group) not in registry.subscriptions:
             await self._record({"op": "subscribe", "destination": spec.name, "group": group, "start": start})
         return views
 
-    def queue_arguments(self) -> dict[str, Any]:
-        """A group queue's arguments: quorum, the delivery limit, at-least-once dead-lettering to its DLQ."""
+    def queue_arguments(self, *, exclusive: bool = False) -> dict[str, Any]:
+        """A group queue's arguments: quorum, the delivery limit, at-least-once dead-lettering to its DLQ;
+        ``exclusive`` (a partition of several): single active consumer, so one reader keeps its order."""
         return {
+            "x-single-active-consumer": exclusive,
             "x-queue-type": "quorum",
             "x-delivery-limit": self.delivery_limit,
             "x-dead-letter-exchange": "",
@@ -184,7 +188,7 @@ class Topology(RabbitCore, Routing):
             "x-overflow": "reject-publish",
         }
 
-    async def _declare_queue(self, queue: str, *, topic: tuple[str, int] | None = None) -> None:
+    async def _declare_queue(self, queue: str, *, exclusive: bool, topic: tuple[str, int] | None = None) -> None:
         """Declare a group's queue with its DLQ and bindings (once per broker): the delivery exchange's
         binding for its own retries, and with ``topic`` its partition's events (live and scheduled)."""
         if queue in self._ready:
@@ -193,7 +197,7 @@ class Topology(RabbitCore, Routing):
         layout = self.layout
         dlq = layout.dlq(queue)
         await channel.declare_queue(dlq, durable=True, arguments={"x-queue-type": "classic"}, timeout=self.timeout)
-        args = {**self.queue_arguments(), "x-dead-letter-routing-key": dlq}
+        args = {**self.queue_arguments(exclusive=exclusive), "x-dead-letter-routing-key": dlq}
         try:
             declared = await channel.declare_queue(queue, durable=True, arguments=args, timeout=self.timeout)
         except aio_pika.exceptions.ChannelPreconditionFailed as exc:
