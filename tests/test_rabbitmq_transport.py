@@ -123,3 +123,47 @@ async def test_services_needing_the_redis_inbox_are_refused_at_start_on_rabbitmq
         check_requirements(broker, [lean], TEST_SETTINGS)
     finally:
         await broker.close()
+
+
+async def test_a_reset_connection_is_opened_again_and_loses_nothing(rabbitmq_url: str) -> None:
+    """Connections cut by a reset (a restarted load balancer): the next calls reconnect on their own, and
+    what the broker held unacknowledged comes back from the server, its delivery count raised."""
+    import anyio
+
+    from broker.errors import is_connection_error
+    from tests.netproxy import NetProxy
+
+    proxy = NetProxy.for_url(rabbitmq_url)
+    try:
+        broker = await connect(proxy.url(rabbitmq_url), namespace=f"t-{uuid.uuid4().hex[:8]}")
+        try:
+            spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+            [view] = await broker.subscribe(spec, "billing")
+            await broker.publish([_command(spec.name, 1)])
+            [held] = await broker.read(view, "a", 10, 2000)
+            assert proxy.reset_all() >= 1
+            for _ in range(50):  # the first calls may meet the dying connection: a connection error, retried
+                try:
+                    await broker.publish([_command(spec.name, 2)])
+                    break
+                except Exception as exc:
+                    assert is_connection_error(exc), f"a reset connection raised {exc!r}, not a connection error"
+                    await anyio.sleep(0.1)
+            got: list = []
+            with anyio.fail_after(30):
+                while len(got) < 2:
+                    got += await broker.read(view, "a", 10, 1000)
+            assert sorted(d.envelope.body for d in got if d.envelope) == [b'{"n":1}', b'{"n":2}'], got
+            [again] = [d for d in got if d.message_id == held.message_id]
+            assert again.delivery_count == 2, f"the requeued message counts {again.delivery_count} deliveries"
+            assert await broker.ack(view, got) == 2
+        finally:
+            await broker.close()
+    finally:
+        proxy.close()
+
+
+def _command(queue: str, n: int):  # type: ignore[no-untyped-def]
+    from broker.conformance.support import command
+
+    return command(queue, n)

@@ -3,7 +3,8 @@
 ``broker.connect("amqp://user:password@host:5672/vhost")`` (or ``amqps://``, or
 ``BROKER_URL=amqp://...``) gives a :class:`RabbitBroker`; query parameters ``prefetch`` (unacknowledged
 messages per consumed queue, default 1000), ``delivery_limit`` (the quorum queues' crash-loop net,
-default 50) and ``timeout`` (seconds, every call's bound, default 10) tune it. The layout is in
+default 50), ``timeout`` (seconds, every call's bound, default 10) and ``heartbeat`` (seconds, default 10)
+tune it. A lost connection is opened again on the next call; what it held goes back to its queues. The layout is in
 :mod:`broker.rabbitmq.names`.
 
 What it keeps:
@@ -38,14 +39,13 @@ What it does not keep (``docs/transports.md`` has the table):
 
 from __future__ import annotations
 
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
-
-import aio_pika
 import aiormq.exceptions
 import anyio
 
-from broker.errors import BrokerUnavailable, ConfigurationError, register_transport_errors
+from broker.errors import BrokerUnavailable, register_transport_errors
 from broker.rabbitmq.broker import RabbitBroker
+from broker.rabbitmq.connection import open_connection, split_url
+from broker.rabbitmq.core import is_closed_error
 from broker.rabbitmq.names import Layout
 from broker.urls import default_namespace, redact
 
@@ -57,51 +57,21 @@ register_transport_errors(
         aiormq.exceptions.ChannelInvalidStateError,
         aiormq.exceptions.ConnectionClosed,
     ),
+    closed=is_closed_error,
     any_error=(aiormq.exceptions.AMQPError,),
 )
-
-_OPTIONS = {"prefetch": int, "delivery_limit": int, "timeout": float}
-
-
-def _split(url: str) -> tuple[str, dict[str, float | int]]:
-    """The URL without this transport's own query parameters, and their values."""
-    parts = urlsplit(url)
-    ours: dict[str, float | int] = {}
-    rest = []
-    for name, value in parse_qsl(parts.query):
-        if name in _OPTIONS:
-            try:
-                ours[name] = _OPTIONS[name](value)
-            except ValueError:
-                raise ConfigurationError(f"broker URL option {name}={value!r} is not a number") from None
-        else:
-            rest.append((name, value))
-    return urlunsplit(parts._replace(query=urlencode(rest))), ours
 
 
 async def connect_rabbitmq(url: str, *, namespace: str | None = None) -> RabbitBroker:
     """Connect to the RabbitMQ server ``url`` names and declare the namespace's exchanges; raise
     :class:`BrokerUnavailable` in one line saying what to do (never hang: every step is bounded)."""
-    clean, options = _split(url)
+    client_url, options = split_url(url)
     timeout = float(options.get("timeout", 10.0))
     where = redact(url)
-    try:
-        with anyio.fail_after(timeout):
-            connection = await aio_pika.connect(clean, timeout=timeout)
-    except aiormq.exceptions.ProbableAuthenticationError:
-        raise BrokerUnavailable(f"RabbitMQ at {where} refused the login: check the user and password") from None
-    except (aiormq.exceptions.InvalidFrameError, aiormq.exceptions.ConnectionNotAllowed):
-        vhost = urlsplit(url).path[1:] or "/"
-        raise BrokerUnavailable(
-            f"RabbitMQ at {where} refused virtual host {vhost!r}: it does not exist or the user may not use it "
-            f"(rabbitmqctl add_vhost {vhost}; rabbitmqctl set_permissions -p {vhost} USER '.*' '.*' '.*')"
-        ) from None
-    except (OSError, TimeoutError, aiormq.exceptions.AMQPConnectionError) as exc:
-        raise BrokerUnavailable(
-            f"cannot reach RabbitMQ at {where} ({type(exc).__name__}): start it (rabbitmq-server -detached) "
-            "or fix BROKER_URL"
-        ) from None
-    broker = RabbitBroker(connection, url=url, namespace=namespace or default_namespace(), **options)
+    connection = await open_connection(url, client_url, timeout)
+    broker = RabbitBroker(
+        connection, url=url, client_url=client_url, namespace=namespace or default_namespace(), **options
+    )
     try:
         if broker.server_version and tuple(int(x) for x in broker.server_version.split(".")[:2]) < (3, 10):
             raise BrokerUnavailable(

@@ -35,7 +35,7 @@ class Administration(Settlement):
     ) -> AsyncIterator[list[aio_pika.abc.AbstractIncomingMessage]]:
         """The messages of ``queue`` (up to ``count``), taken unacknowledged on a channel of their own;
         those not acknowledged inside the block go back in place when it ends."""
-        channel = await self.connection.channel()
+        channel = await (await self.live()).channel()
         taken: list[aio_pika.abc.AbstractIncomingMessage] = []
         try:
             try:

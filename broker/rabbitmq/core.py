@@ -9,6 +9,7 @@ the Redis transport stores (:func:`broker.codec.encode_fields`), so dead letters
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -22,10 +23,11 @@ from broker.codec import max_body_bytes as max_body_bytes_setting
 from broker.envelope import Envelope
 from broker.errors import ConfigurationError, DecodeError
 from broker.protocol import Delivery, GroupPartition
+from broker.rabbitmq.connection import open_connection
 from broker.rabbitmq.names import Layout
 from broker.topology import DestinationSpec
 
-__all__ = ["RabbitCore", "RabbitKeys", "fields_of_message", "message_of_fields", "to_message"]
+__all__ = ["RabbitCore", "RabbitKeys", "fields_of_message", "is_closed_error", "message_of_fields", "to_message"]
 
 _NS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _CORE_HEADERS = {b"ts": "fw-ts", b"key": "fw-key", b"headers": "fw-headers", b"attempt": "fw-attempt"}
@@ -148,6 +150,7 @@ class RabbitCore:
         connection: aio_pika.abc.AbstractConnection,
         *,
         url: str,
+        client_url: str = "",
         namespace: str = "fw",
         prefetch: int = 1000,
         delivery_limit: int = 50,
@@ -160,6 +163,8 @@ class RabbitCore:
             raise ConfigurationError(f"invalid namespace {namespace!r}: use letters, digits, '.', '_' or '-'")
         self.connection = connection
         self.url = url
+        self._client_url = client_url or url
+        self._reconnecting = asyncio.Lock()
         self.layout = Layout(namespace)
         self.prefetch = prefetch
         self.delivery_limit = delivery_limit
@@ -181,9 +186,20 @@ class RabbitCore:
         the server closed it (a failed declaration closes its channel)."""
         channel = self._channels.get(role)
         if channel is None or channel.is_closed:
-            channel = await self.connection.channel(publisher_confirms=confirms, on_return_raises=confirms)
+            connection = await self.live()
+            channel = await connection.channel(publisher_confirms=confirms, on_return_raises=confirms)
             self._channels[role] = channel
         return channel
+
+    async def live(self) -> aio_pika.abc.AbstractConnection:
+        """The connection, opened again when it was lost (the server requeued what it held; the
+        consumers restart on their next read). ``BrokerUnavailable`` while the server is away."""
+        if _lost(self.connection) and not self.closed:
+            async with self._reconnecting:
+                if _lost(self.connection):
+                    self.connection = await open_connection(self.url, self._client_url, self.timeout)
+                    self._channels.clear()
+        return self.connection
 
     async def close(self) -> None:
         """Close the connection: messages delivered here and not acknowledged go back to their queues."""
@@ -201,6 +217,19 @@ class RabbitCore:
         except DecodeError as exc:
             return Delivery(source, source.keys.queue, entry, raw, None, str(exc), count)
         return Delivery(source, source.keys.queue, entry, raw, env, None, count)
+
+
+def _lost(connection: aio_pika.abc.AbstractConnection) -> bool:
+    """Whether ``connection`` (or the AMQP connection under it) is closed."""
+    if connection.is_closed:
+        return True
+    transport = getattr(connection, "transport", None)
+    return transport is None or bool(transport.connection.is_closed)
+
+
+def is_closed_error(exc: BaseException) -> bool:
+    """aiormq's ``RuntimeError('<Connection ...> closed')``: a call on a connection already lost."""
+    return isinstance(exc, RuntimeError) and str(exc).endswith(" closed")
 
 
 def _server_version(connection: aio_pika.abc.AbstractConnection) -> str:

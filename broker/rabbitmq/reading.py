@@ -91,7 +91,7 @@ class Reading(Topology):
             held = self._held.get(queue_name, {})
             for entry in [e for e, h in held.items() if h.feed is feed]:
                 del held[entry]
-        channel = await self.connection.channel()
+        channel = await (await self.live()).channel()
         await channel.set_qos(prefetch_count=self.prefetch, timeout=self.timeout)
         queue = await channel.declare_queue(queue_name, passive=True, timeout=self.timeout)
         feed = Feed(channel)

@@ -81,7 +81,7 @@ class Topology(RabbitCore, Routing):
         await self._record({"op": "marker", "token": token})
         registry = Registry()
         done = anyio.Event()
-        channel = await self.connection.channel()
+        channel = await (await self.live()).channel()
         try:
             await channel.set_qos(prefetch_count=1000)
             queue = await channel.get_queue(self.layout.registry, ensure=False)
