@@ -108,7 +108,7 @@ async def _connect_amqp(url: str, namespace: str | None) -> Broker:
     try:
         from broker.rabbitmq import connect_rabbitmq
     except ImportError as exc:
-        if exc.name not in ("aio_pika", "aiormq", "pamqp"):
+        if (exc.name or "").partition(".")[0] not in ("aio_pika", "aiormq", "pamqp"):
             raise
         raise BrokerUnavailable(
             f"{redact(url)!r} needs the RabbitMQ client (aio-pika): pip install 'framework[rabbitmq]'"
