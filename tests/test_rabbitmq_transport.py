@@ -167,3 +167,28 @@ def _command(queue: str, n: int):  # type: ignore[no-untyped-def]
     from broker.conformance.support import command
 
     return command(queue, n)
+
+
+async def test_a_queue_deleted_under_its_consumer_is_declared_again_and_reading_goes_on(rabbitmq_url: str) -> None:
+    """The server cancels the consumer of a deleted queue: the next read declares the queue again and
+    consumes it anew (what the deleted queue held went with it: deleting a queue is an operator's act)."""
+    import aio_pika
+    import anyio
+
+    broker = await connect(rabbitmq_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    connection = await aio_pika.connect(rabbitmq_url)
+    try:
+        spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+        [view] = await broker.subscribe(spec, "billing")
+        await broker.publish([_command(spec.name, 1)])
+        assert len(await broker.read(view, "a", 10, 2000)) == 1
+        channel = await connection.channel()
+        await channel.queue_delete(view.keys.queue)
+        await anyio.sleep(0.2)  # the server's cancel reaches the broker
+        assert await broker.read(view, "a", 10, 100) == []
+        await broker.publish([_command(spec.name, 2)])
+        got = await broker.read(view, "a", 10, 5000)
+        assert [d.envelope.body for d in got if d.envelope] == [b'{"n":2}'], got
+    finally:
+        await connection.close()
+        await broker.close()

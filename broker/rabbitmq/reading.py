@@ -53,10 +53,13 @@ class Feed:
     channel: aio_pika.abc.AbstractChannel
     buffer: deque[aio_pika.abc.AbstractIncomingMessage] = attrs.Factory(deque)
     arrived: asyncio.Event = attrs.Factory(asyncio.Event)
+    consumers: Any = None  # the AMQP channel's consumers by tag (the server's cancel removes ours)
+    tag: str = ""
 
     @property
     def alive(self) -> bool:
-        return not self.channel.is_closed
+        """Its channel is open and the server has not cancelled its consumer (its queue deleted)."""
+        return not self.channel.is_closed and (self.consumers is None or self.tag in self.consumers)
 
 
 class Reading(Topology):
@@ -91,16 +94,26 @@ class Reading(Topology):
             held = self._held.get(queue_name, {})
             for entry in [e for e, h in held.items() if h.feed is feed]:
                 del held[entry]
+            if not feed.channel.is_closed:  # its consumer was cancelled: what it held goes back
+                await feed.channel.close()
         channel = await (await self.live()).channel()
         await channel.set_qos(prefetch_count=self.prefetch, timeout=self.timeout)
-        queue = await channel.declare_queue(queue_name, passive=True, timeout=self.timeout)
+        try:
+            queue = await channel.declare_queue(queue_name, passive=True, timeout=self.timeout)
+        except aio_pika.exceptions.ChannelNotFoundEntity:  # deleted behind our back: declared again
+            self._ready.discard(queue_name)
+            await self._declare_view(source)
+            channel = await (await self.live()).channel()
+            await channel.set_qos(prefetch_count=self.prefetch, timeout=self.timeout)
+            queue = await channel.declare_queue(queue_name, passive=True, timeout=self.timeout)
         feed = Feed(channel)
 
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             feed.buffer.append(message)
             feed.arrived.set()
 
-        await queue.consume(on_message, timeout=self.timeout)
+        feed.tag = await queue.consume(on_message, timeout=self.timeout)
+        feed.consumers = (await channel.get_underlay_channel()).consumers
         self._feeds[queue_name] = feed
         ready = queue.declaration_result.message_count or 0
         if ready and not feed.buffer:  # the queue holds messages: let the first ones arrive

@@ -176,6 +176,12 @@ class Topology(RabbitCore, Routing):
             await self._record({"op": "subscribe", "destination": spec.name, "group": group, "start": start})
         return views
 
+    async def _declare_view(self, view: GroupPartition) -> None:
+        """Declare the queue ``view``'s group reads (with its DLQ and bindings)."""
+        spec = view.spec
+        topic = (spec.name, view.partition) if spec.is_topic else None
+        await self._declare_queue(view.keys.queue, exclusive=spec.partitions > 1, topic=topic)
+
     def queue_arguments(self, *, exclusive: bool = False) -> dict[str, Any]:
         """A group queue's arguments: quorum, the delivery limit, at-least-once dead-lettering to its DLQ;
         ``exclusive`` (a partition of several): single active consumer, so one reader keeps its order."""
