@@ -113,7 +113,8 @@ class Reading(Topology):
             feed.arrived.set()
 
         feed.tag = await queue.consume(on_message, timeout=self.timeout)
-        feed.consumers = (await channel.get_underlay_channel()).consumers
+        underlay: Any = await channel.get_underlay_channel()  # aiormq.Channel: its consumers by tag
+        feed.consumers = underlay.consumers
         self._feeds[queue_name] = feed
         ready = queue.declaration_result.message_count or 0
         if ready and not feed.buffer:  # the queue holds messages: let the first ones arrive
