@@ -156,3 +156,34 @@ def test_a_failing_handler_is_retried_with_backoff_dead_lettered_and_redriven_fr
     wait_for(lambda: len(listed()) == 1, 60, "the redriven command to fail into the DLQ again")
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=30) == 0
+
+
+def test_a_message_that_crashes_its_worker_every_time_ends_in_the_dlq(
+    rabbit_workers: Workers, env: dict[str, str], runs: Path
+) -> None:
+    """A poison message kills its worker on every delivery: after ``max_attempts`` (3) the next worker
+    dead-letters it without running it, and the other messages are handled."""
+    with SyncClient(env["BROKER_URL"], namespace=env["FRAMEWORK_NAMESPACE"]) as client:
+        crash_id = client.send("rabbit.crashy", {"n": "crash"})
+        for i in range(10):
+            client.send("rabbit.crashy", {"n": i})
+    exits = []
+    for attempt in range(6):
+        w = rabbit_workers.start("rabbitapp:shop", f"w{attempt}")
+        wait_for(lambda w=w: w.poll() is not None or len(_dead_letters(env)) > 0, 60, "a crash or a dead letter")
+        if w.poll() is None:
+            wait_for(lambda: rows(runs, "SELECT count(*) FROM arrivals WHERE n >= 0")[0][0] >= 10, 60, "the others")
+            w.send_signal(signal.SIGTERM)
+            assert w.wait(timeout=30) == 0
+            break
+        exits.append(w.returncode)
+    assert exits == [17, 17, 17], f"worker exits {exits}: three crashes, then the dead letter"
+    assert rows(runs, "SELECT count(*) FROM arrivals WHERE n = -1") == [(3,)], "poison ran other than 3 times"
+    [letter] = _dead_letters(env)
+    assert letter["message_id"] == crash_id, letter
+
+
+def _dead_letters(env: dict[str, str]) -> list[dict]:
+    out = run_cli("dlq", "list", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout or "[]")

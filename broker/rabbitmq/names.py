@@ -7,6 +7,7 @@ Written once here (as ``broker/redis/keys.py`` is for Redis)::
     {ns}/e/{dest}/{p}/{group}        quorum queue: one subscribing group's copy of a topic partition
     {queue}/dlq                      classic queue: the dead letters of the group reading {queue}
     {ns}/registry                    stream: destination and subscription records (read from the start)
+    {ns}/runs                        stream: redelivered runs of messages started (crash-loop counts), kept a day
     {ns}/delay/{k}                   topic exchange of delay level k (0..27): bit k of the delay set -> queue
     {ns}/delay/{k}/q                 quorum queue, message TTL 2**k units, dead-letters to level k-1
     {ns}/delivery                    topic exchange the delay chain ends in: routes by target to queues
@@ -60,6 +61,7 @@ class Layout:
         self.ns = namespace
         self.events = f"{namespace}/events"
         self.registry = f"{namespace}/registry"
+        self.runs = f"{namespace}/runs"
         self.delivery = f"{namespace}/delivery"
 
     def queue(self, destination: str, partition: int) -> str:

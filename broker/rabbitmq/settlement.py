@@ -8,6 +8,11 @@ never back through the topic, so other groups do not see it); its ``x-death`` he
 copied (RabbitMQ before 4.0.1 drops a message whose ``x-death`` shows a dead-letter cycle).
 A dead letter goes to the group's DLQ with the reason as headers. ``move_due`` and ``trim`` have
 nothing to do: the server moves due retries and deletes acknowledged messages itself.
+
+Redelivered runs are counted in the run journal (``{ns}/runs``, a stream any process reads), not
+by the server's ``x-delivery-count``, which also rises for messages a dying worker had only
+prefetched: counting runs that started keeps those innocent messages from being dead-lettered as
+crash loops. Only redeliveries are counted (after a crash), so the hot path writes nothing there.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from broker.rabbitmq.reading import Held
 from broker.topology import DestinationSpec
 
 __all__ = ["DLQ_ID_HEADER", "Settlement"]
+
+_RUNS_KEPT = "1D"  # the run journal's retention: a crash loop is counted within a day
 
 DLQ_ID_HEADER = "fw-dlq-id"
 """The header naming a dead letter (its id in the DLQ: what ``dead_letter`` returns)."""
@@ -46,11 +53,13 @@ class Settlement(Publishing):
         return item if item is not None and item.feed.alive else None
 
     async def _settled(self, delivery: Delivery, item: Held) -> None:
-        """Acknowledge ``item`` on its channel and forget it."""
+        """Acknowledge ``item`` on its channel and forget it; a message whose runs were counted has its
+        count reset in the run journal (a redrive of it starts again from none)."""
         self._held.get(delivery.source.keys.queue, {}).pop(delivery.entry_id, None)
         await item.message.ack()
-        if delivery.message_id:
-            self._attempts.pop((delivery.source.keys.queue, delivery.message_id), None)
+        key = (delivery.source.keys.queue, delivery.message_id)
+        if delivery.message_id and self._attempts.pop(key, None) is not None:
+            await self._append(self.layout.runs, [{"q": key[0], "id": key[1], "reset": True}])
 
     async def ack(
         self,
@@ -76,20 +85,38 @@ class Settlement(Publishing):
                 acked += 1
         return acked
 
+    async def _runs(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        """How many redelivered runs the run journal holds for each (queue, message id) since its last reset."""
+        await self._declare_journal(self.layout.runs, max_age=_RUNS_KEPT)
+        wanted = set(keys)
+        counts = dict.fromkeys(wanted, 0)
+        for record in await self._read_journal(self.layout.runs):
+            key = (record.get("q", ""), record.get("id", ""))
+            if key in wanted:
+                counts[key] = 0 if record.get("reset") else counts[key] + 1
+        return counts
+
     async def count_attempt(self, delivery: Delivery) -> int:
-        """Count a redelivered run of the message in this process; return how many it had here."""
+        """Record in the run journal that a redelivered message is about to run; return how many such
+        runs it had (across processes: a message killing one worker after another is counted by each)."""
         key = (delivery.source.keys.queue, delivery.message_id)
-        self._attempts[key] = self._attempts.get(key, 0) + 1
-        return self._attempts[key]
+        runs = (await self._runs([key]))[key] + 1
+        await self._append(self.layout.runs, [{"q": key[0], "id": key[1]}])
+        self._attempts[key] = runs
+        return runs
 
     async def count_first_redeliveries(self, deliveries: Sequence[Delivery]) -> list[bool]:
-        """Count the first redelivered run of each message (in this process); False for one that had one."""
-        out: list[bool] = []
-        for d in deliveries:
-            key = (d.source.keys.queue, d.message_id)
-            out.append(key not in self._attempts)
-            self._attempts.setdefault(key, 1)
-        return out
+        """Record the first redelivered run of each message that had none in the run journal (True); False
+        marks a suspect: an earlier redelivered run started and did not complete (in any process)."""
+        if not deliveries:
+            return []
+        keys = [(d.source.keys.queue, d.message_id) for d in deliveries]
+        counts = await self._runs(keys)
+        firsts = {key for key in keys if counts[key] == 0}
+        await self._append(self.layout.runs, [{"q": q, "id": i} for q, i in sorted(firsts)])
+        for key in keys:
+            self._attempts[key] = max(self._attempts.get(key, 0), counts[key] or 1)
+        return [key in firsts for key in keys]
 
     async def dead_letter(self, delivery: Delivery, reason: dict[str, str], *, token: int | None = None) -> str | None:
         """Publish the message with ``reason`` to its group's DLQ (confirmed), then ack it; the dead

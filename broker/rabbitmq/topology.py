@@ -1,24 +1,21 @@
 """The RabbitMQ broker's topology role: the destination registry, queues and bindings, subscriptions.
 
-The registry is a RabbitMQ stream (``{ns}/registry``) of JSON records (declare, subscribe,
-unsubscribe, delete), read from its start by every broker that needs it: streams are read
-without being consumed, so any number of processes read it at once. A read appends a marker
-record and stops at it, so it sees every record confirmed before it began. Two processes
-declaring one new destination at once both append a record; the first one wins on reading.
+The registry is a journal (:mod:`broker.rabbitmq.journals`: a stream, ``{ns}/registry``) of
+declare, subscribe, unsubscribe and delete records, read whole by every broker that needs it
+(looked-up specs are cached). Two processes declaring one new destination at once both append a
+record; the first one wins on reading.
 """
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import aio_pika
-import anyio
-import orjson
 
 from broker.errors import ConfigurationError
 from broker.protocol import GroupPartition, Start
-from broker.rabbitmq.core import RabbitCore, RabbitKeys
+from broker.rabbitmq.core import RabbitKeys
+from broker.rabbitmq.journals import Journals
 from broker.rabbitmq.names import DELAY_LEVELS, DELAY_UNIT_MS
 from broker.routing import Routing
 from broker.topology import DestinationSpec, validate_name
@@ -53,7 +50,7 @@ class Registry:
                 del self.subscriptions[sub]
 
 
-class Topology(RabbitCore, Routing):
+class Topology(Journals, Routing):
     """Declares destinations (their queues and bindings), routes messages to them, creates groups."""
 
     _ready: set[str]
@@ -61,45 +58,15 @@ class Topology(RabbitCore, Routing):
 
     async def _record(self, record: dict[str, Any]) -> None:
         """Append a record to the registry stream (confirmed)."""
-        channel = await self._channel("publish", confirms=True)
-        await self._declare_registry()
-        message = aio_pika.Message(orjson.dumps(record), delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
-        await channel.default_exchange.publish(message, self.layout.registry, timeout=self.timeout)
-
-    async def _declare_registry(self) -> None:
-        if self.layout.registry not in self._ready:
-            channel = await self._channel()
-            await channel.declare_queue(
-                self.layout.registry, durable=True, arguments={"x-queue-type": "stream"}, timeout=self.timeout
-            )
-            self._ready.add(self.layout.registry)
+        await self._declare_journal(self.layout.registry)
+        await self._append(self.layout.registry, [record])
 
     async def read_registry(self) -> Registry:
         """Every record of the registry stream up to now, applied in order."""
-        await self._declare_registry()
-        token = uuid.uuid4().hex
-        await self._record({"op": "marker", "token": token})
+        await self._declare_journal(self.layout.registry)
         registry = Registry()
-        done = anyio.Event()
-        channel = await (await self.live()).channel()
-        try:
-            await channel.set_qos(prefetch_count=1000)
-            queue = await channel.get_queue(self.layout.registry, ensure=False)
-
-            async def on_record(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-                await message.ack()
-                record = orjson.loads(message.body)
-                if record.get("op") == "marker":
-                    if record.get("token") == token:
-                        done.set()
-                elif not done.is_set():
-                    registry.apply(record)
-
-            await queue.consume(on_record, arguments={"x-stream-offset": "first"}, timeout=self.timeout)
-            with anyio.fail_after(self.timeout):
-                await done.wait()
-        finally:
-            await channel.close()
+        for record in await self._read_journal(self.layout.registry):
+            registry.apply(record)
         return registry
 
     async def declare(self, spec: DestinationSpec) -> DestinationSpec:

@@ -17,6 +17,7 @@ from framework import Context, Queue, RetryPolicy, Service
 JOBS = Queue("rabbit.jobs", partitions=2)
 FLAKY = Queue("rabbit.flaky")
 LATER = Queue("rabbit.later")
+CRASHY = Queue("rabbit.crashy")
 
 SLEEP = float(os.environ.get("JOB_SLEEP", "0"))
 _engine = None
@@ -67,3 +68,11 @@ def flaky(cmd: dict, ctx: Context) -> None:
 def later(cmd: dict, ctx: Context) -> None:
     """Records when a delayed command arrived."""
     _record("INSERT INTO arrivals (n, at) VALUES (?, ?)", cmd["n"], time.time())
+
+
+@shop.command(CRASHY, inbox=False)
+def crashy(cmd: dict, ctx: Context) -> None:
+    """A command named 'crash' kills its process every time; the others are recorded."""
+    _record("INSERT INTO arrivals (n, at) VALUES (?, ?)", -1 if cmd["n"] == "crash" else cmd["n"], time.time())
+    if cmd["n"] == "crash":
+        os._exit(17)
