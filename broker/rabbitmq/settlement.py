@@ -73,17 +73,46 @@ class Settlement(Publishing):
         """Acknowledge deliveries; return how many were held here (acknowledged now). ``inbox`` and
         ``token`` change nothing (no inbox or fencing in this transport); a ``settle_write`` is
         refused (``FAILED``: no state store), its delivery left held."""
-        acked = 0
+        taken: list[tuple[Delivery, Held]] = []
+        held = self._held.get(source.keys.queue, {})
         for d in deliveries:
             if d.settle_write is not None:
                 d.settle_write.outcome = GuardedWrite.FAILED
                 d.settle_write.error = "the rabbitmq transport has no state store"
                 continue
             item = self._pending(d)
-            if item is not None:
-                await self._settled(d, item)
-                acked += 1
-        return acked
+            if item is not None and held.pop(d.entry_id, None) is not None:
+                taken.append((d, item))
+        by_feed: dict[int, list[Held]] = {}
+        for _, item in taken:
+            by_feed.setdefault(id(item.feed), []).append(item)
+        for items in by_feed.values():
+            await self._ack_on_feed(items, held)
+        for d, _ in taken:
+            key = (source.keys.queue, d.message_id)
+            if d.message_id and self._attempts.pop(key, None) is not None:
+                await self._append(self.layout.runs, [{"q": key[0], "id": key[1], "reset": True}])
+        return len(taken)
+
+    @staticmethod
+    async def _ack_on_feed(items: list[Held], held: dict[str, Held]) -> None:
+        """Acknowledge ``items`` (all of one channel, already taken out of ``held``): every one below the
+        channel's lowest tag still unacknowledged (held or not read yet) with one ``multiple`` ack (one
+        settlement in the quorum queue's log instead of one each), the others one by one."""
+        feed = items[0].feed
+        floor = min((h.message.delivery_tag or 0 for h in held.values() if h.feed is feed), default=None)
+        if feed.buffer:
+            first = feed.buffer[0].delivery_tag or 0
+            floor = first if floor is None else min(floor, first)
+        items.sort(key=lambda h: h.message.delivery_tag or 0)
+        below = [h for h in items if floor is None or (h.message.delivery_tag or 0) < floor]
+        if len(below) > 1:
+            await below[-1].message.ack(multiple=True)
+            rest = items[len(below) :]
+        else:
+            rest = items
+        for item in rest:
+            await item.message.ack()
 
     async def _runs(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], int]:
         """How many redelivered runs the run journal holds for each (queue, message id) since its last reset."""
