@@ -4,8 +4,9 @@
 
 Consume: one worker process per contender, each draining its own quorum queue of ``--messages``
 prefilled messages with a per-message handler (the framework: ``framework run`` with a no-op
-``inbox=False`` handler; raw: an aio-pika consume-and-ack loop; FastStream: a ``RabbitBroker``
-subscriber acking after its handler), each with prefetch 1000. A rate is measured from the first
+``inbox=False`` handler; raw: an aio-pika consume-and-ack loop acking each message, and
+raw-batched: one ``multiple`` ack per 100, as the transport batches its acks; FastStream: a
+``RabbitBroker`` subscriber acking after its handler), each with prefetch 1000. A rate is measured from the first
 handled message to the last, so start-up does not count. Publish: the framework's ``publish`` (confirmed, mandatory)
 next to raw aio-pika publishes with confirms, both in batches of 100 on one channel. Ratios are to
 the raw figures of the same round; rounds alternate the order. The server is ``--url`` (default
@@ -58,7 +59,8 @@ def _record() -> None:
 # -- contenders (each a process of its own) -------------------------------------------------------
 
 
-async def _raw_consumer(url: str, queue: str) -> None:
+async def _raw_consumer(url: str, queue: str, batched: bool = False) -> None:
+    """Consume and ack each message (``batched``: one ``multiple`` ack per 100, as the transport batches)."""
     import aio_pika
 
     connection = await aio_pika.connect(url)
@@ -67,10 +69,15 @@ async def _raw_consumer(url: str, queue: str) -> None:
     found = await channel.declare_queue(queue, passive=True)
     done = asyncio.Event()
 
+    total = int(os.environ["BENCH_MESSAGES"])
+
     async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
         _record()
-        await message.ack()
-        if _seen["n"] >= int(os.environ["BENCH_MESSAGES"]):
+        if not batched:
+            await message.ack()
+        elif _seen["n"] % 100 == 0 or _seen["n"] >= total:
+            await message.ack(multiple=True)
+        if _seen["n"] >= total:
             done.set()
 
     await found.consume(on_message)
@@ -179,29 +186,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default=os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/"))
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--role", choices=("raw", "faststream"), help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("raw", "raw-batched", "faststream"), help=argparse.SUPPRESS)
     parser.add_argument("--queue", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role:
-        consumer = _raw_consumer if args.role == "raw" else _faststream_consumer
-        asyncio.run(consumer(args.url, args.queue))
+        if args.role == "faststream":
+            asyncio.run(_faststream_consumer(args.url, args.queue))
+        else:
+            asyncio.run(_raw_consumer(args.url, args.queue, batched=args.role == "raw-batched"))
         return 0
     vhost, url = _vhost_url(args.url)
     quorum = {"x-queue-type": "quorum", "x-delivery-limit": 50, "x-overflow": "reject-publish"}  # as the transport's
     results: dict[str, list[float]] = {}
     try:
         for r in range(args.rounds):
-            order = ("framework", "raw", "faststream") if r % 2 == 0 else ("faststream", "raw", "framework")
+            order = ("framework", "raw", "raw-batched", "faststream")
+            order = order if r % 2 == 0 else order[::-1]
             namespace = f"bench{r}"
             publish = {
                 "framework": asyncio.run(_fill_framework(url, namespace, args.messages)),
                 "raw": asyncio.run(_fill_raw(url, f"raw{r}", args.messages, quorum)),
             }
-            asyncio.run(_fill_raw(url, f"faststream{r}", args.messages, quorum))
+            for other in ("faststream", "raw-batched"):
+                asyncio.run(_fill_raw(url, f"{other}{r}", args.messages, quorum))
             for name, rate in publish.items():
                 results.setdefault(f"publish {name}", []).append(rate)
             for role in order:
-                queue = {"raw": f"raw{r}", "faststream": f"faststream{r}"}.get(role, "")
+                queue = f"{role}{r}" if role != "framework" else ""
                 rate = _consume(role, url, queue, namespace, args.messages)
                 results.setdefault(f"consume {role}", []).append(rate)
     finally:
@@ -212,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {os.cpu_count()} cores, {cpu}, Python {platform.python_version()}")
     for kind in ("consume", "publish"):
         raw = med[f"{kind} raw"]
-        for name in ("raw", "framework", "faststream"):
+        for name in ("raw", "raw-batched", "framework", "faststream"):
             key = f"{kind} {name}"
             if key in med:
                 print(f"  {key:22s} {med[key]:>10,.0f} msgs/s   {med[key] / raw:6.2f} x raw")

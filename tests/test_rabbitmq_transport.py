@@ -163,10 +163,10 @@ async def test_a_reset_connection_is_opened_again_and_loses_nothing(rabbitmq_url
         proxy.close()
 
 
-def _command(queue: str, n: int):  # type: ignore[no-untyped-def]
+def _command(queue: str, n: int, key: str | None = None):  # type: ignore[no-untyped-def]
     from broker.conformance.support import command
 
-    return command(queue, n)
+    return command(queue, n, key)
 
 
 async def test_a_queue_deleted_under_its_consumer_is_declared_again_and_reading_goes_on(rabbitmq_url: str) -> None:
@@ -192,3 +192,31 @@ async def test_a_queue_deleted_under_its_consumer_is_declared_again_and_reading_
     finally:
         await connection.close()
         await broker.close()
+
+
+async def test_a_partition_is_read_by_one_broker_at_a_time_and_handed_on_in_order(rabbitmq_url: str) -> None:
+    """Single active consumer on a partition of several: a second reader gets nothing while the first
+    lives; when the first one's connection closes, the second gets what it held first, in order."""
+    namespace = f"t-{uuid.uuid4().hex[:8]}"
+    a = await connect(rabbitmq_url, namespace=namespace)
+    b = await connect(rabbitmq_url, namespace=namespace)
+    try:
+        spec = await a.declare(DestinationSpec("billing.refund", "command", partitions=2))
+        views_a = await a.subscribe(spec, "billing")
+        views_b = await b.subscribe(spec, "billing")
+        p = spec.partition_for("k", "")
+        await a.publish([_command(spec.name, i, key="k") for i in range(6)])
+        first = await a.read(views_a[p], "a", 3, 2000)
+        assert [d.envelope.body for d in first if d.envelope] == [b'{"n":%d}' % i for i in range(3)]
+        assert await b.read(views_b[p], "b", 10, 300) == [], "a second reader got messages of an owned partition"
+        await a.ack(views_a[p], first[:1])
+        await a.close()  # holding 1, 2 (read) and 3..5 (delivered, not read)
+        got: list = []
+        while len(got) < 5:
+            batch = await b.read(views_b[p], "b", 10, 5000)
+            assert batch, f"the partition was not handed on: {len(got)} of 5 read"
+            got += batch
+        assert [d.envelope.body for d in got if d.envelope] == [b'{"n":%d}' % i for i in range(1, 6)], got
+    finally:
+        await b.close()
+        await a.close()

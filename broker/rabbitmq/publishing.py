@@ -92,5 +92,11 @@ class Publishing(Reading):
                     f"RabbitMQ refused a message for {key!r} (nack): a queue is full or the server "
                     "is under a memory or disk alarm; the message was not stored, send it again later"
                 ) from result
+            if isinstance(result, TimeoutError):
+                raise TimeoutError(
+                    f"RabbitMQ did not confirm a message for {key!r} within {self.timeout:g} s: a memory or disk "
+                    "alarm may be blocking publishers (rabbitmqctl status), or the server is overloaded; it may or "
+                    "may not be stored: send it again (consumers' inboxes drop a copy)"
+                ) from result
             if isinstance(result, BaseException):
                 raise result
