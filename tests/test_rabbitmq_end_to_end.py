@@ -32,6 +32,7 @@ RUNS_SCHEMA = """
 CREATE TABLE runs (n INTEGER, consumer TEXT);
 CREATE TABLE attempts (n INTEGER, attempt INTEGER, at REAL);
 CREATE TABLE arrivals (n INTEGER, at REAL);
+CREATE TABLE noted (service TEXT, n INTEGER);
 """
 
 
@@ -126,10 +127,14 @@ def test_a_failing_handler_is_retried_with_backoff_dead_lettered_and_redriven_fr
         client.send("rabbit.flaky", {"n": 1})
         sent = time.time()
         client.send("rabbit.later", {"n": 7}, delay=1.5)
-    worker = rabbit_workers.start("rabbitapp:shop", "w", CONSUMER_NAME="w")
+    worker = rabbit_workers.start("rabbitapp:everything", "w", CONSUMER_NAME="w")
     wait_for(lambda: rows(runs, "SELECT count(*) FROM arrivals")[0][0] == 1, 60, "the delayed command")
     [(arrived,)] = rows(runs, "SELECT at FROM arrivals")
     assert arrived - sent >= 1.4, f"a command delayed 1.5 s arrived after {arrived - sent:.2f} s"
+    wait_for(lambda: rows(runs, "SELECT count(*) FROM noted")[0][0] >= 2, 60, "the event to reach both services")
+    time.sleep(0.5)
+    noted = rows(runs, "SELECT service, n FROM noted ORDER BY service")
+    assert noted == [("audit", 7), ("mail", 7)], f"each subscribing service gets the event once: {noted}"
 
     def listed() -> list[dict]:
         out = run_cli("dlq", "list", "--json", env=env)
@@ -138,8 +143,10 @@ def test_a_failing_handler_is_retried_with_backoff_dead_lettered_and_redriven_fr
 
     wait_for(lambda: listed(), 60, "the flaky command to be dead-lettered")
     [letter] = listed()
-    text = json.dumps(letter)
-    assert "ValueError" in text and "failed on purpose" in text, f"the dead letter lacks its reason: {text}"
+    assert letter["error_type"].endswith("ValueError") and "failed on purpose" in letter["error_message"], letter
+    assert letter["attempts"] == 3 and letter["handler"].endswith("flaky") and letter["traceback"], letter
+    shown = run_cli("dlq", "show", letter["ref"], env=env)
+    assert shown.returncode == 0 and "failed on purpose" in shown.stdout, shown.stdout + shown.stderr
     attempts = rows(runs, "SELECT attempt, at FROM attempts ORDER BY at")
     assert [a for a, _ in attempts] == [1, 2, 3], f"attempts {attempts}: three, numbered 1..3, expected"
     gaps = [b - a for (_, a), (_, b) in itertools.pairwise(attempts)]

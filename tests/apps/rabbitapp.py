@@ -12,12 +12,13 @@ import os
 import sqlite3
 import time
 
-from framework import Context, Queue, RetryPolicy, Service
+from framework import Context, Queue, RetryPolicy, Service, Topic
 
 JOBS = Queue("rabbit.jobs", partitions=2)
 FLAKY = Queue("rabbit.flaky")
 LATER = Queue("rabbit.later")
 CRASHY = Queue("rabbit.crashy")
+NOTED = Topic("rabbit.noted")
 
 SLEEP = float(os.environ.get("JOB_SLEEP", "0"))
 _engine = None
@@ -66,8 +67,25 @@ def flaky(cmd: dict, ctx: Context) -> None:
 
 @shop.command(LATER, inbox=False)
 def later(cmd: dict, ctx: Context) -> None:
-    """Records when a delayed command arrived."""
+    """Records when a delayed command arrived, and publishes that it did (to every subscribing service)."""
     _record("INSERT INTO arrivals (n, at) VALUES (?, ?)", cmd["n"], time.time())
+    ctx.publish(NOTED, {"n": cmd["n"]})
+
+
+audit = Service("audit", inbox=False)
+mail = Service("mail", inbox=False)
+
+
+@audit.event(NOTED)
+def audit_noted(evt: dict, ctx: Context) -> None:
+    """One subscriber of the event: each service gets its own copy."""
+    _record("INSERT INTO noted (service, n) VALUES ('audit', ?)", evt["n"])
+
+
+@mail.event(NOTED)
+def mail_noted(evt: dict, ctx: Context) -> None:
+    """The other subscriber."""
+    _record("INSERT INTO noted (service, n) VALUES ('mail', ?)", evt["n"])
 
 
 @shop.command(CRASHY, inbox=False)
@@ -76,3 +94,6 @@ def crashy(cmd: dict, ctx: Context) -> None:
     _record("INSERT INTO arrivals (n, at) VALUES (?, ?)", -1 if cmd["n"] == "crash" else cmd["n"], time.time())
     if cmd["n"] == "crash":
         os._exit(17)
+
+
+everything = [shop, audit, mail]  # framework run rabbitapp:everything
