@@ -146,7 +146,7 @@ class Reading(Topology):
         held = self._held.setdefault(source.keys.queue, {})
         out: list[Delivery] = []
         deadline = time.monotonic() + max(block_ms, 0) / 1000
-        while len(out) < count:
+        while len(out) < count and feed.alive:  # a lost channel's messages went back to the queue
             if feed.buffer:
                 message = feed.buffer.popleft()
                 entry = self._entry_id(held, message)

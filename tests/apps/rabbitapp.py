@@ -19,6 +19,7 @@ FLAKY = Queue("rabbit.flaky")
 LATER = Queue("rabbit.later")
 CRASHY = Queue("rabbit.crashy")
 NOTED = Topic("rabbit.noted")
+TICKS = Queue("rabbit.ticks", partitions=2)
 
 SLEEP = float(os.environ.get("JOB_SLEEP", "0"))
 _engine = None
@@ -94,6 +95,18 @@ def crashy(cmd: dict, ctx: Context) -> None:
     _record("INSERT INTO arrivals (n, at) VALUES (?, ?)", -1 if cmd["n"] == "crash" else cmd["n"], time.time())
     if cmd["n"] == "crash":
         os._exit(17)
+
+
+ticker = Service("ticker", inbox=False)
+
+
+@ticker.command(TICKS, key=lambda c: c["key"])
+def tick(cmd: dict, ctx: Context) -> None:
+    """Appends ``key n`` to this worker's own file in ``RUNS_DIR`` (no lock a paused worker could hold)."""
+    time.sleep(SLEEP)
+    path = os.path.join(os.environ["RUNS_DIR"], os.environ.get("CONSUMER_NAME", "w"))
+    with open(path, "a") as f:
+        f.write(f"{cmd['key']} {cmd['n']}\n")
 
 
 everything = [shop, audit, mail]  # framework run rabbitapp:everything
