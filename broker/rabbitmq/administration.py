@@ -100,10 +100,7 @@ class Administration(Settlement):
         """Delete a queue (with what it holds); 1 when it existed."""
         await self._stop_feed(name)
         self._ready.discard(name)
-        channel = await self._channel()
-        try:
-            await channel.declare_queue(name, passive=True, timeout=self.timeout)
-        except aio_pika.exceptions.ChannelNotFoundEntity:
+        if await self.queue_counts(name) is None:
             return 0
         channel = await self._channel()
         await channel.queue_delete(name, timeout=self.timeout)
@@ -155,9 +152,5 @@ class Administration(Settlement):
 
     async def _ready_count(self, queue: str) -> int:
         """Messages ready in ``queue`` (a passive declare's count; 0 when it does not exist)."""
-        channel = await self._channel()
-        try:
-            found = await channel.declare_queue(queue, passive=True, timeout=self.timeout)
-        except aio_pika.exceptions.ChannelNotFoundEntity:
-            return 0
-        return found.declaration_result.message_count or 0
+        counts = await self.queue_counts(queue)
+        return counts[0] if counts is not None else 0

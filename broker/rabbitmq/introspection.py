@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import aio_pika.abc
-
 from broker.codec import decode_flat
 from broker.envelope import Envelope
 from broker.introspection import (
@@ -40,13 +38,7 @@ class Inspection(Administration):
 
     async def _counts(self, queue: str) -> tuple[int, int]:
         """(messages ready, consumers) of ``queue``; (0, 0) when it does not exist."""
-        channel = await self._channel()
-        try:
-            found = await channel.declare_queue(queue, passive=True, timeout=self.timeout)
-        except aio_pika.exceptions.ChannelNotFoundEntity:
-            return 0, 0
-        result = found.declaration_result
-        return result.message_count or 0, result.consumer_count or 0
+        return await self.queue_counts(queue) or (0, 0)
 
     def _here(self, queue: str) -> tuple[int, int]:
         """(held unacknowledged, received and not yet read) of ``queue`` in this broker."""

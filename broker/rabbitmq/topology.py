@@ -143,6 +143,22 @@ class Topology(Journals, Routing):
             await self._record({"op": "subscribe", "destination": spec.name, "group": group, "start": start})
         return views
 
+    async def queue_counts(self, queue: str) -> tuple[int, int] | None:
+        """(messages ready, consumers) of ``queue`` from a passive declare, None when it does not exist.
+
+        On a channel of its own: a missing queue closes the channel that asked, which must not be one
+        other tasks share."""
+        channel = await (await self.live()).channel()
+        try:
+            found = await channel.declare_queue(queue, passive=True, timeout=self.timeout)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return None
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+        result = found.declaration_result
+        return result.message_count or 0, result.consumer_count or 0
+
     async def _declare_view(self, view: GroupPartition) -> None:
         """Declare the queue ``view``'s group reads (with its DLQ and bindings)."""
         spec = view.spec
