@@ -220,3 +220,45 @@ async def test_a_partition_is_read_by_one_broker_at_a_time_and_handed_on_in_orde
     finally:
         await b.close()
         await a.close()
+
+
+async def test_a_stalled_connection_is_dropped_by_the_heartbeat_and_opened_again(rabbitmq_url: str) -> None:
+    """A path that goes silent without closing (a dead NAT entry): calls fail within their bound instead
+    of hanging, the heartbeat (1 s here) drops the connection, and once the path heals the broker
+    reconnects by itself; the message it held comes back from the server."""
+    import anyio
+
+    from broker.errors import is_connection_error
+    from tests.netproxy import NetProxy
+
+    proxy = NetProxy.for_url(rabbitmq_url)
+    try:
+        url = proxy.url(rabbitmq_url) + "?heartbeat=1&timeout=3"
+        broker = await connect(url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+        try:
+            spec = await broker.declare(DestinationSpec("billing.refund", "command"))
+            [view] = await broker.subscribe(spec, "billing")
+            await broker.publish([_command(spec.name, 1)])
+            [held] = await broker.read(view, "a", 10, 2000)
+            proxy.stall()
+            started = time.monotonic()
+            with pytest.raises(Exception) as caught:  # any connection error: checked below
+                with anyio.fail_after(20):
+                    await broker.publish([_command(spec.name, 2)])
+            assert is_connection_error(caught.value), f"a stalled publish raised {caught.value!r}"
+            assert time.monotonic() - started < 10, "a stalled publish was not bounded by its timeout"
+            proxy.resume()
+            got: list = []
+            with anyio.fail_after(60):
+                while not got:
+                    try:
+                        got = await broker.read(view, "a", 10, 1000)
+                    except Exception as exc:
+                        assert is_connection_error(exc), f"reading after the stall raised {exc!r}"
+                        await anyio.sleep(0.2)
+            assert [d.message_id for d in got] == [held.message_id], "the held message did not come back"
+            assert got[0].delivery_count == 2
+        finally:
+            await broker.close()
+    finally:
+        proxy.close()
