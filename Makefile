@@ -19,7 +19,7 @@ $(VENV)/.core: $(BIN)/python pyproject.toml
 	@touch $@
 
 $(VENV)/.all: $(BIN)/python pyproject.toml
-	$(PIP) install -e '.[dev,sql,spark]'
+	$(PIP) install -e '.[dev,sql,spark,rabbitmq]'
 	@touch $@ $(VENV)/.core
 
 demo: $(VENV)/.core

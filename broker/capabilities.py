@@ -6,15 +6,15 @@ its transport lacks fails at start naming the handler and the capability, instea
 its first message. Each capability is a protocol of the methods it adds to :class:`~broker.Broker`;
 :func:`supports` narrows a broker to it.
 
-| name | protocol | Redis | memory |
-|---|---|---|---|
-| ``inbox`` | :class:`InboxStore` | yes | yes |
-| ``ownership`` | :class:`PartitionOwnership` | yes (fencing in every settle script) | yes (one process) |
-| ``scheduling`` | :class:`Scheduler` | yes | yes |
-| ``dead_letter_admin`` | :class:`DeadLetterAdmin` | yes | yes |
-| ``introspection`` | :class:`~broker.introspection.Introspection` | yes | yes |
-| ``state`` | :class:`StateStore` | yes (hashes under the partition's hash tag) | yes |
-| ``redis`` | :class:`RedisStore` | yes | no |
+| name | protocol | Redis | memory | RabbitMQ |
+|---|---|---|---|---|
+| ``inbox`` | :class:`InboxStore` | yes | yes | no |
+| ``ownership`` | :class:`PartitionOwnership` | yes (fencing in every settle script) | yes (one process) | no |
+| ``scheduling`` | :class:`Scheduler` | yes | yes | no |
+| ``dead_letter_admin`` | :class:`DeadLetterAdmin` | yes | yes | yes |
+| ``introspection`` | :class:`~broker.introspection.Introspection` | yes | yes | yes |
+| ``state`` | :class:`StateStore` | yes (hashes under the partition's hash tag) | yes | no |
+| ``redis`` | :class:`RedisStore` | yes | no | no |
 """
 
 from __future__ import annotations

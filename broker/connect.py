@@ -2,7 +2,8 @@
 
 ``url``, else ``$BROKER_URL``, else ``$REDIS_URL``, else the shared embedded Valkey (started if
 needed). Schemes: ``redis://``, ``rediss://``, ``unix://`` (Redis or Valkey, single node or
-Cluster) and ``memory://[name]`` (in this process only: for users' unit tests, see
+Cluster), ``amqp://`` and ``amqps://`` (RabbitMQ 3.10+, see :mod:`broker.rabbitmq`; needs the
+``rabbitmq`` extra) and ``memory://[name]`` (in this process only: for users' unit tests, see
 :mod:`broker.memory`). An unknown scheme is refused with the list of those there are.
 """
 
@@ -16,11 +17,24 @@ from broker.errors import BrokerUnavailable
 from broker.protocol import Broker
 from broker.urls import default_namespace, redact
 
-__all__ = ["MEMORY_SCHEMES", "REDIS_SCHEMES", "connect", "default_namespace", "is_memory_url", "redact", "resolve_url"]
+__all__ = [
+    "AMQP_SCHEMES",
+    "MEMORY_SCHEMES",
+    "REDIS_SCHEMES",
+    "connect",
+    "default_namespace",
+    "is_memory_url",
+    "redact",
+    "resolve_url",
+]
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 MEMORY_SCHEMES = ("memory",)
-_SCHEMES_HELP = "redis://host:port/db, rediss://host:port/db, unix:///path/to/socket or memory://[name]"
+AMQP_SCHEMES = ("amqp", "amqps")
+_SCHEMES_HELP = (
+    "redis://host:port/db, rediss://host:port/db, unix:///path/to/socket, amqp://user:password@host:port/vhost, "
+    "amqps://... or memory://[name]"
+)
 
 
 def configured_url() -> str | None:
@@ -44,7 +58,7 @@ def resolve_url(url: str | None = None, data_dir: Path | str | None = None) -> s
     server's (started if needed). Raises :class:`BrokerUnavailable` for an unknown scheme."""
     url = url or configured_url()
     if url:
-        if scheme_of(url) not in REDIS_SCHEMES + MEMORY_SCHEMES:
+        if scheme_of(url) not in REDIS_SCHEMES + MEMORY_SCHEMES + AMQP_SCHEMES:
             raise BrokerUnavailable(f"invalid broker URL {redact(url)!r}: expected {_SCHEMES_HELP}")
         return url
     from broker.redis.embedded import EmbeddedServer
@@ -79,9 +93,25 @@ async def connect(
 
         memory: Broker = connect_memory(resolved, namespace=namespace)
         return memory
+    if scheme_of(resolved) in AMQP_SCHEMES:
+        return await _connect_amqp(resolved, namespace)
     from broker.redis.connect import connect_redis
 
     broker: Broker = await connect_redis(
         resolved, explicit=explicit, namespace=namespace, max_connections=max_connections
     )
+    return broker
+
+
+async def _connect_amqp(url: str, namespace: str | None) -> Broker:
+    """The RabbitMQ transport, or one line saying how to install its client when it is missing."""
+    try:
+        from broker.rabbitmq import connect_rabbitmq
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] not in ("aio_pika", "aiormq", "pamqp"):
+            raise
+        raise BrokerUnavailable(
+            f"{redact(url)!r} needs the RabbitMQ client (aio-pika): pip install 'framework[rabbitmq]'"
+        ) from None
+    broker: Broker = await connect_rabbitmq(url, namespace=namespace)
     return broker

@@ -43,6 +43,18 @@ async def broker(redis_url: str, namespace: str) -> AsyncIterator[RedisBroker]:
     await b.close()
 
 
+@pytest.fixture(scope="session")
+def rabbitmq_url() -> Iterator[str]:
+    """A fresh virtual host on the local RabbitMQ for this session (skipped when unreachable, failed
+    under CI); deleted with everything in it afterwards."""
+    from tests.rabbitmq_server import VirtualHost, skip_or_fail
+
+    skip_or_fail()
+    vhost = VirtualHost()
+    yield vhost.url
+    vhost.delete()
+
+
 @pytest.fixture
 def worker_env(redis_url: str, namespace: str, tmp_path: Path) -> Iterator[dict[str, str]]:
     """Environment for worker subprocesses: same server and namespace, test modules importable."""

@@ -55,9 +55,40 @@ def memory(request: pytest.FixtureRequest) -> tuple[BrokerFactory, Features]:
     return (lambda: connect(url)), Features.of(MemoryBroker.capabilities, store_raw=memory_store_raw)
 
 
+async def rabbitmq_store_raw(broker: Broker, view: GroupPartition, fields: Mapping[bytes, bytes]) -> None:
+    """A message published past the codec, straight into the group's queue: headers only, no id."""
+    import aio_pika
+
+    channel = await cast(Any, broker)._channel("publish", confirms=True)  # the broker's own channel
+    headers = {name.decode(): bytearray(value) for name, value in fields.items()}  # AMQP byte arrays
+    await channel.default_exchange.publish(aio_pika.Message(b"", headers=headers), view.keys.queue)
+
+
+def rabbitmq(request: pytest.FixtureRequest) -> tuple[BrokerFactory, Features]:
+    """:class:`~broker.rabbitmq.RabbitBroker` on the local RabbitMQ, in the session's own virtual host and
+    the test's own namespace (skipped when the server is unreachable, failed under CI)."""
+    from broker.rabbitmq import RabbitBroker
+
+    url, namespace = request.getfixturevalue("rabbitmq_url"), f"conf-{uuid.uuid4().hex[:8]}"
+    return (lambda: connect(url, namespace=namespace)), rabbitmq_features(RabbitBroker.capabilities)
+
+
+def rabbitmq_features(capabilities: frozenset[str]) -> Features:
+    """What the RabbitMQ transport claims: its capabilities, minus the promises docs/transports.md lists as gaps."""
+    return Features.of(
+        capabilities,
+        retention=False,
+        idempotency_keys=False,
+        parked_retries=False,
+        atomic_settlement=False,
+        store_raw=rabbitmq_store_raw,
+    )
+
+
 TRANSPORTS: dict[str, Callable[[pytest.FixtureRequest], tuple[BrokerFactory, Features]]] = {
     "redis": redis_streams,
     "memory": memory,
+    "rabbitmq": rabbitmq,
 }
 """Each transport: its factory and the features it claims (a new transport is one more entry)."""
 

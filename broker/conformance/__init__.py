@@ -36,7 +36,8 @@ Modules, by role: ``features`` (:class:`Features`), ``registry`` (:data:`CHECKS`
 ``support`` (helpers), ``publishing``, ``destinations``, ``reading`` (read/ack, pending, claims),
 ``settlement`` (dead letter, retries, attempts), ``dead_letters`` (administration), ``inbox``,
 ``introspection``, ``ownership``, ``scheduling``, ``state`` (the state store: guarded commits with the ack),
-``retention`` and ``members`` (the protocols' members, capabilities).
+``retention``, ``degraded`` (what a transport lacking a feature does instead) and ``members``
+(the protocols' members, capabilities).
 """
 
 import importlib
@@ -57,6 +58,7 @@ ROLES = (
     "scheduling",
     "state",
     "retention",
+    "degraded",
 )
 """The modules holding checks, in the order :data:`CHECKS` lists them (each registers its own on import)."""
 

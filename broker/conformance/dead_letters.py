@@ -68,7 +68,7 @@ async def check_a_redriven_dead_letter_goes_to_its_group_only_as_a_first_attempt
         assert numbers(await broker.read(shipping, "s", 10, 10)) == [1]
         [d] = await broker.read(billing, "a", 10, 10)
         assert await broker.retry_later(d, now_ms())
-        assert await broker.move_due(billing, now_ms() + 1) == 1
+        assert await broker.move_due(billing, now_ms() + 1) == (1 if features.parked_retries else 0)
         [retried] = await broker.read(billing, "a", 10, 10)
         assert retried.attempt == 2
         dlq_id = await broker.dead_letter(retried, {DLQ_REASON: "boom"})
@@ -118,8 +118,9 @@ async def check_unsubscribe_and_delete_destination(make: BrokerFactory, features
             await admin.delete_destination(spec)
         await admin.unsubscribe(spec, "billing")
         await broker.publish([event(topic, 1)])
-        with raises(ConfigurationError, doing="deleting a destination storing an entry"):
-            await admin.delete_destination(spec)
+        if features.retention:  # without retention the event reached nobody: nothing is stored
+            with raises(ConfigurationError, doing="deleting a destination storing an entry"):
+                await admin.delete_destination(spec)
         assert await broker.get_destination(topic) == spec, "a refused delete removed the destination"
         await admin.delete_destination(spec, force=True)
         assert await broker.get_destination(topic) is None, "a deleted destination is still declared"

@@ -56,6 +56,15 @@ class Features:
     retention: bool = True
     """Topics keep events for their retention: a group created at ``earliest`` replays what is kept,
     and :meth:`~broker.protocol.Settler.trim` removes only what every group acknowledged."""
+    idempotency_keys: bool = True
+    """:meth:`~broker.protocol.Publisher.publish` stores a message with an ``idempotency-key`` header at most
+    once per dedup window (False: a repeat is stored again; consumers' inboxes drop the copy)."""
+    parked_retries: bool = True
+    """Delayed retries wait until :meth:`~broker.protocol.Settler.move_due` moves them (so a caller may move
+    them early). False: the server delivers them by its own clock when due, and ``move_due`` moves nothing."""
+    atomic_settlement: bool = True
+    """``dead_letter`` and ``retry_later`` write the copy and acknowledge in one atomic step. False: a
+    confirmed copy, then the ack; a crash between them delivers the message again (never loses it)."""
     blocking_reads: bool = True
     """:meth:`~broker.protocol.GroupReader.read` with ``block_ms`` waits for an entry published meanwhile."""
     shared_state: bool = True

@@ -84,7 +84,7 @@ async def check_a_mixed_batch_keeps_its_order(make: BrokerFactory, features: Fea
         assert [d.entry_id for d in got] == ids, "the entries read are not those publish returned, in order"
 
 
-@check()
+@check(requires=("idempotency_keys",))
 async def check_idempotency_key_stores_a_message_once(make: BrokerFactory, features: Features) -> None:
     """Two envelopes with one idempotency key in one publish: the second is not stored (None)."""
     names = Names()
@@ -99,7 +99,7 @@ async def check_idempotency_key_stores_a_message_once(make: BrokerFactory, featu
         assert len(await broker.read(view, "c", 10, 10)) == 1, "a repeated idempotency key was stored twice"
 
 
-@check()
+@check(requires=("idempotency_keys",))
 async def check_idempotency_key_without_a_message_key_is_checked_in_one_partition(
     make: BrokerFactory, features: Features
 ) -> None:
@@ -125,7 +125,7 @@ async def check_idempotency_key_without_a_message_key_is_checked_in_one_partitio
         assert [d.entry_id for d in in_partition] == [entry], "a keyed message is not in its key's partition"
 
 
-@check()
+@check(requires=("idempotency_keys",))
 async def check_idempotency_key_expires_with_its_window(make: BrokerFactory, features: Features) -> None:
     """A repeat inside the stored key's window is dropped (its own window does not count); after the
     window the key stores a message again."""

@@ -28,6 +28,8 @@ class Check:
     requires: tuple[str, ...]
     role: str
     doc: str
+    unless: tuple[str, ...] = ()
+    """Features whose absence the check asserts (a documented degraded behaviour): skipped when claimed."""
 
     def missing(self, features: Features) -> list[str]:
         """The required features ``features`` does not claim."""
@@ -36,9 +38,12 @@ class Check:
     def skip_reason(self, features: Features) -> str | None:
         """Why the check does not apply to a transport with ``features``, or None when it does."""
         missing = self.missing(features)
-        if not missing:
-            return None
-        return f"{self.name} needs {', '.join(missing)}, which the transport does not claim"
+        if missing:
+            return f"{self.name} needs {', '.join(missing)}, which the transport does not claim"
+        claimed = [name for name in self.unless if features.has(name)]
+        if claimed:
+            return f"{self.name} checks the behaviour without {', '.join(claimed)}, which the transport claims"
+        return None
 
     async def __call__(self, make: BrokerFactory, features: Features) -> None:
         await self.fn(make, features)
@@ -51,11 +56,13 @@ CHECKS: dict[str, Check] = {}
 """Every check by name (``check_`` dropped), in registration order: grouped by role module."""
 
 
-def check(*, requires: Iterable[str] = ()) -> Callable[[F], F]:
+def check(*, requires: Iterable[str] = (), unless: Iterable[str] = ()) -> Callable[[F], F]:
     """Register the decorated ``async def check_...(make, features)`` in :data:`CHECKS`, needing ``requires``
-    (names of :class:`Features` fields); the function itself is returned unchanged."""
+    and, with ``unless``, asserting the degraded behaviour of transports lacking those (names of
+    :class:`Features` fields); the function itself is returned unchanged."""
     needed = tuple(requires)
-    unknown = set(needed) - Features.names()
+    lacking = tuple(unless)
+    unknown = (set(needed) | set(lacking)) - Features.names()
     if unknown:
         raise ValueError(f"unknown features {sorted(unknown)}: use names of Features fields")
 
@@ -65,7 +72,7 @@ def check(*, requires: Iterable[str] = ()) -> Callable[[F], F]:
             raise ValueError(f"check {name!r} is registered twice")
         doc = (fn.__doc__ or name.replace("_", " ")).strip().splitlines()[0]
         role = fn.__module__.rpartition(".")[2]
-        CHECKS[name] = Check(name=name, fn=fn, requires=needed, role=role, doc=doc)
+        CHECKS[name] = Check(name=name, fn=fn, requires=needed, role=role, doc=doc, unless=lacking)
         return fn
 
     return register

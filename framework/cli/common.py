@@ -52,7 +52,8 @@ def connection_options(p: argparse.ArgumentParser) -> None:
         "--redis-url",
         dest="redis_url",
         default=None,
-        help="broker URL: redis://, rediss://, unix:// (default: $BROKER_URL, else $REDIS_URL, else embedded Valkey)",
+        help="broker URL: redis://, rediss://, unix://, amqp://, amqps:// "
+        "(default: $BROKER_URL, else $REDIS_URL, else embedded Valkey)",
     )
     p.add_argument("--namespace", default=None, help="key prefix (default: $FRAMEWORK_NAMESPACE or 'fw')")
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import attrs
 
 from broker import Broker, DestinationSpec, connect, redact
 from broker.capabilities import SCHEDULING, as_introspection
@@ -106,6 +107,9 @@ class Runtime:
             self._stop.set()
         if self._broker is None:
             self._broker = await connect(self._url, namespace=self._namespace)
+        if getattr(self.broker, "exclusive_partitions", False) and self.settings.ownership != "off":
+            # the server keeps one reader per partition (RabbitMQ's single active consumer): no leases
+            self.settings = attrs.evolve(self.settings, ownership="off")
         identity = ConsumerIdentity(self.broker.namespace, self.settings.consumer)
         self.consumer_name = identity.name
         try:

@@ -1,0 +1,45 @@
+"""The RabbitMQ transport's broker: the Broker contract over quorum queues, one facade over its roles.
+
+As :class:`broker.redis.RedisBroker`, :class:`RabbitBroker` is made of role mixins over
+:class:`~broker.rabbitmq.core.RabbitCore`: topology (registry stream, queues, bindings), reading
+(consumers and what they hold), publishing (confirms, the delay chain), settlement, administration
+(dead letters) and introspection (passive declares), each in its module of ``broker/rabbitmq/``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aio_pika.abc
+
+from broker.capabilities import DEAD_LETTER_ADMIN, INTROSPECTION
+from broker.rabbitmq.introspection import Inspection
+
+__all__ = ["RabbitBroker"]
+
+
+class RabbitBroker(Inspection):
+    """Broker on a RabbitMQ server (3.10 or newer). Use :func:`broker.rabbitmq.connect_rabbitmq` (or
+    ``broker.connect("amqp://...")``) to build one.
+
+    Keeps the :class:`~broker.Broker` contract with the degraded promises written in
+    :mod:`broker.rabbitmq` and declares ``dead_letter_admin`` and ``introspection``; no ``inbox``,
+    ``ownership``, ``scheduling`` (cancel, list, recurring jobs), ``state`` or ``redis``.
+    """
+
+    transport = "rabbitmq"
+    capabilities = frozenset({DEAD_LETTER_ADMIN, INTROSPECTION})
+    exclusive_partitions = True
+    """The server delivers each partition of several to one consumer at a time (single active consumer):
+    the runtime needs no ownership leases to keep per-key order across processes (it reads every partition
+    and the server picks the one reader; another takes over when that one's channel closes)."""
+
+    def __init__(self, connection: aio_pika.abc.AbstractConnection, **options: Any) -> None:
+        super().__init__(connection, **options)
+        self._ready = set()
+        self._chain_ready = False
+        self._feeds = {}
+        self._held = {}
+        self._seen = {}
+        self._starting = {}
+        self._attempts = {}
