@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.metadata
 import logging
 import statistics
 import time
@@ -59,6 +60,7 @@ from benchmarks.runtime_bench import (
     FILL_BATCH,
     Progress,
     _latency_summary,
+    _quiet,
     _raw_client,
     _wait_done,
     _wait_settled,
@@ -85,18 +87,12 @@ def missing() -> str | None:
 
 def version() -> str:
     """The installed FastStream version."""
-    from importlib.metadata import version as dist_version
-
-    return dist_version("faststream")
+    return importlib.metadata.version("faststream")
 
 
 def stream_name(namespace: str) -> str:
     """The stream of the FastStream trials."""
     return f"{namespace}:faststream"
-
-
-def _quiet(_: str) -> None:
-    pass
 
 
 def _payload() -> Any:
@@ -228,16 +224,8 @@ def drain(url: str, n: int, mode: str, *, progress: Progress = _quiet) -> dict[s
         entry = _entry_bytes(client, stream)
         progress(f"{label}: published {n:,} at {fill_rate:,.0f}/s ({entry} B per entry); draining with one worker")
         with _worker(url, namespace, mode, n, timed=False) as worker:
-            done = _wait_done(
-                client,
-                namespace,
-                worker,
-                stream=stream,
-                total=n,
-                timeout=max(120.0, n / 250),
-                label=label,
-                progress=progress,
-            )
+            wait: dict[str, Any] = {"stream": stream, "label": label, "progress": progress}
+            done = _wait_done(client, namespace, worker, total=n, timeout=max(120.0, n / 250), **wait)
             settled_ns = _wait_settled(client, stream, 1)
             status = worker.stop()
         if status not in (0, None):
@@ -251,6 +239,7 @@ def drain(url: str, n: int, mode: str, *, progress: Progress = _quiet) -> dict[s
             "handled_s": (done["last_ns"] - done["first_ns"]) / 1e9,
             "fill_msgs_per_s": fill_rate,
             "entry_bytes": entry,
+            "faststream": version(),
         }
     finally:
         client.close()
