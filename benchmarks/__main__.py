@@ -32,7 +32,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import machine, procs, runtime_bench, tracing_bench
+from benchmarks import faststream_bench, machine, procs, runtime_bench, tracing_bench
 
 __all__ = ["BENCHMARKS", "Sizes", "main"]
 
@@ -45,6 +45,7 @@ BENCHMARKS = (
     "commands",
     "events",
     "latency",
+    "peer",
     "observability",
     "memory",
     "outbox",
@@ -56,10 +57,11 @@ BENCHMARKS = (
     "schedule",
     "saga",
 )
-_NEEDS_RAW = {"commands", "events", "memory"}  # their ratios need the ceiling of the same run
+_NEEDS_RAW = {"commands", "events", "memory", "peer"}  # their ratios need the ceiling of the same run
 
 THROUGHPUT_TARGET = 0.25  # of the raw ceiling, one worker process
 LATENCY_P99_TARGET_MS = 1.0
+LATENCY_P50_INBOX_MS = 0.15  # p50 with the inbox on at most this much above inbox off (issue #33)
 INBOX_COST_TARGET = 0.30
 MEMORY_FLAT_TARGET = 1.10  # peak RSS, big backlog over small backlog
 INBOX_BYTES_TARGET = 32  # server bytes per remembered inbox id (issue #15)
@@ -239,6 +241,8 @@ class Runner:
 
     def _run(self, sql_db: str | None) -> None:
         s, url, p = self.sizes, self.url, _progress
+        if "peer" in self.selected and (why := faststream_bench.missing()):
+            self.errors["peer"] = why  # FastStream is not installed: its rows say so, the run goes on
         for r in range(self.repeats):
             _progress(f"[bold]round {r + 1}/{self.repeats}[/bold]")
             if "raw" in self.selected:
@@ -257,7 +261,18 @@ class Runner:
             if "latency" in self.selected:
                 kw = {"rate": s.latency_rate, "seconds": s.latency_seconds, "progress": p}
                 self._trial("latency:raw", lambda kw=kw: runtime_bench.raw_latency(url, **kw), r)
-                self._trial("latency:framework", lambda kw=kw: runtime_bench.latency(url, **kw), r)
+                for inbox in (True, False) if r % 2 == 0 else (False, True):
+                    self._trial(
+                        "latency:framework" if inbox else "latency:framework-noinbox",
+                        lambda kw=kw, inbox=inbox: runtime_bench.latency(url, inbox=inbox, **kw),
+                        r,
+                    )
+            if "peer" in self.selected:  # FastStream, batch and per-message subscribers (issue #33)
+                peer = faststream_bench.trials(
+                    url, r, messages=s.messages, rate=s.latency_rate, seconds=s.latency_seconds, progress=p
+                )
+                for key, call in peer:
+                    self._trial(key, call, r)
             if "observability" in self.selected:
                 self._observability_round(r)
             if "recovery" in self.selected:
@@ -364,6 +379,7 @@ class Runner:
             "events:3": ("events_per_s", "deliveries_per_s", "publish_msgs_per_s"),
             "latency:raw": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
             "latency:framework": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
+            "latency:framework-noinbox": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
             "memory:small": ("peak_rss_mib", "msgs_per_s", "server_inbox_mib", "inbox_bytes_per_id"),
             "recovery": (
                 "normal_msgs_per_s",
@@ -413,7 +429,13 @@ class Runner:
         costs = [1 - t["msgs_per_s"] / off[t["round"]]["msgs_per_s"] for t in on if t.get("round") in off]
         if costs:
             out["inbox_cost"] = {"paired": stats(costs)}
+        lat_off = {t["round"]: t for t in self.trials.get("latency:framework-noinbox", [])}
+        lat_on = self.trials.get("latency:framework", [])
+        added = [t["p50_ms"] - lat_off[t["round"]]["p50_ms"] for t in lat_on if t.get("round") in lat_off]
+        if added:
+            out["latency_inbox_p50_added_ms"] = {"paired": stats(added)}
         out.update(tracing_bench.summary(self.trials))
+        out.update(faststream_bench.summary(self.trials))
         return out
 
     def rows(self) -> list[Row]:
@@ -515,6 +537,29 @@ class Runner:
                     fw["p99_ms"]["median"] < LATENCY_P99_TARGET_MS,
                 )
             )
+            if fo := sm.get("latency:framework-noinbox"):
+                rows.append(
+                    Row(
+                        f"latency publish → handler start @ {rate}, inbox off, p50 / p99 ms",
+                        f"p50 {_ms(fo['p50_ms'])}\np99 {_ms(fo['p99_ms'])}\n[dim]p90 {fo['p90_ms']['median']:.2f}, "
+                        f"max {fo['max_ms']['median']:.2f}[/dim]",
+                        f"p50 {raw['p50_ms']['median']:.2f}\np99 {raw['p99_ms']['median']:.2f}" if raw else "—",
+                        f"p99 {fo['p99_ms']['median'] / raw['p99_ms']['median']:.1f}x" if raw else "—",
+                        "reported",
+                    )
+                )
+            if added := sm.get("latency_inbox_p50_added_ms", {}).get("paired"):
+                rows.append(
+                    Row(
+                        "latency: p50 inbox on - inbox off, paired by round",
+                        f"{added['median']:+.2f} ms"
+                        + (f" [dim]({added['min']:+.2f}-{added['max']:+.2f})[/dim]" if len(added["runs"]) > 1 else ""),
+                        target=f"≤ {LATENCY_P50_INBOX_MS:g} ms (#33)",
+                        ok=added["median"] <= LATENCY_P50_INBOX_MS,
+                    )
+                )
+        if "peer" in self.selected:
+            rows += [Row(**row) for row in faststream_bench.rows(sm, self.errors, self.sizes.latency_rate)]
         if "observability" in self.selected:
             rows += [Row(**row) for row in tracing_bench.rows(sm, self.errors, self.sizes.latency_rate)]
         if not not_run("memory", "memory") and (big := sm.get("memory:big")) and (small := sm.get("memory:small")):
@@ -891,7 +936,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     own_failures = [
         name
         for name, error in runner.errors.items()
-        if name not in ("outbox", "spark") and not (name == "sql" and error.startswith("not run"))
+        if name not in ("outbox", "spark") and not (name in ("sql", "peer") and error.startswith("not run"))
     ]
     procs.remove_logs(keep=bool(runner.errors))
     return 1 if own_failures else 0

@@ -8,8 +8,9 @@ its count: one ``LPUSH`` of a JSON summary (first and last handler start, Unix n
 ``<ns>:bench:done``, which the benchmark waits on with ``BLPOP``.
 So the measured loop is the framework's own: fetch, decode into an attrs class, run, ack.
 
-The latency handler also keeps ``time.time_ns() - sent_ns`` of each message, taken first thing in
-the handler, and writes the samples to ``<ns>:bench:latency`` at the end (one pipeline).
+The latency handler (``latency``, inbox on; ``latency_no_inbox``, off) also keeps ``time.time_ns() -
+sent_ns`` of each message, taken first thing in the handler, and writes the samples to
+``<ns>:bench:latency`` at the end (one pipeline).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "event_services",
     "latency",
     "latency_key",
+    "latency_no_inbox",
 ]
 
 COMMANDS = Queue("bench.commands")
@@ -163,3 +165,8 @@ async def timed(message: BenchMessage) -> None:
     _tally.samples.append(now - message.sent_ns)
     _tally.seqs.append(message.seq)
     await _latency_counter.hit()
+
+
+latency_no_inbox = Service("bench-latency-noinbox", inbox=False)
+"""The same latency handler with the inbox off (a worker runs one of the two, so they share the counter)."""
+latency_no_inbox.command(LATENCY)(timed)

@@ -429,13 +429,15 @@ def latency(
     seconds: float = 10.0,
     warmup: float = 1.0,
     progress: Progress = _quiet,
+    inbox: bool = True,
     env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
     launcher: Sequence[str] = FRAMEWORK,
 ) -> dict[str, Any]:
     """Commands at a fixed ``rate`` from a producer process; latency from publish to handler start.
 
-    ``env``, ``extra_args`` and ``launcher`` go to the worker (see :func:`_worker`).
+    ``inbox=False`` runs the same handler with the inbox off; ``env``, ``extra_args`` and
+    ``launcher`` go to the worker (see :func:`_worker`).
     """
     namespace = unique_namespace("bench")
     skip = int(rate * warmup)
@@ -444,15 +446,20 @@ def latency(
     try:
         anyio.run(functools.partial(_declare, url, namespace, LATENCY.spec()))
         stream = f"{namespace}:{{{LATENCY.name}:0}}"
-        worker_cm = _worker("latency", url, namespace, expect=count, env=env, extra_args=extra_args, launcher=launcher)
+        target = "latency" if inbox else "latency_no_inbox"
+        worker_cm = _worker(target, url, namespace, expect=count, env=env, extra_args=extra_args, launcher=launcher)
         with worker_cm as worker:
             _wait_consumer(client, stream, worker)
-            progress(f"latency: producing {count:,} commands at {rate:,.0f}/s ({warmup:.0f}s warm-up not counted)")
+            progress(
+                f"latency (inbox {'on' if inbox else 'off'}): producing {count:,} commands at {rate:,.0f}/s "
+                f"({warmup:.0f}s warm-up not counted)"
+            )
             achieved = _run_producer("framework", url, namespace, rate, count, worker, seconds + warmup)
             _wait_done(
                 client, namespace, worker, stream=stream, total=count, timeout=60, label="latency", progress=progress
             )
-        return {"rate": rate, "achieved_rate": achieved, **_latency_summary(client, namespace, skip, count)}
+        summary = _latency_summary(client, namespace, skip, count)
+        return {"rate": rate, "inbox": inbox, "achieved_rate": achieved, **summary}
     finally:
         client.close()
         delete_namespace(url, namespace)
