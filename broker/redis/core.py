@@ -87,6 +87,7 @@ class RedisCore:
         self._specs: dict[str, DestinationSpec] = {}
         self._claim_cursor: dict[tuple[str, str], str] = {}  # (stream, group) -> XAUTOCLAIM cursor
         self._backlog: dict[tuple[str, str], bool] = {}  # (stream, consumer) -> the last read was full (intake)
+        self._drained: dict[tuple[str, str], tuple[str, str]] = {}  # (stream, consumer) -> where the next wait starts
         self._pkeys: dict[tuple[str, int], PartitionKeys] = {}
         self._commits: CommitBatcher | None = None  # effects commits from many tasks (made on first use)
         self._reads: ReadBatcher | None = None  # reads from many tasks (made on first use)

@@ -6,7 +6,9 @@ waits at low rates. Here the read takes the leases itself: a script reads the en
 (``XREADGROUP``, never blocking) and leases their ids, and when it finds nothing the wait (a
 plain ``XREAD BLOCK`` from the streams' last ids, which takes nothing) and the next leased read
 go in one write, so a message that arrives during the wait comes back read and leased in one
-round trip.
+round trip. A leased read that reached the streams' ends returns their last ids too, so the
+next call starts its wait at once (one round trip per message at low rates, as a blocking
+``XREADGROUP`` takes).
 
 The server copies what a script reads through Lua (about 2 µs per entry, more than the separate
 inbox check costs it), so a read that came back full (a backlog: throughput, not latency) is
@@ -69,7 +71,11 @@ class Intake(Reading):
         def intake_args() -> list[Any]:
             return [consumer, source.group, count, now_ms(), lease_ms, window_ms, fence]
 
-        reply = await self._intake(source, script.sha, keys, intake_args(), channel)
+        drained = self._drained.pop(mode_key, None)
+        if drained is not None and block_ms > 0:  # the last read reached the streams' ends: wait from there
+            reply: Any = [0, *drained]
+        else:
+            reply = await self._intake(source, script.sha, keys, intake_args(), channel)
         if int(reply[0]) == 0 and block_ms > 0:
             last = [text(reply[1]), text(reply[2])]
             streams = [source.stream, source.keys.redeliver]
@@ -101,6 +107,8 @@ class Intake(Reading):
         for d, status in zip(out, reply[2], strict=True):
             d.inbox_status = int(status)
         self._backlog[mode_key] = len(out) >= LEASED_BELOW
+        if len(reply) >= 5:  # read to the streams' ends: the next call waits from these ids at once
+            self._drained[mode_key] = (text(reply[3]), text(reply[4]))
         return out
 
     async def _intake(

@@ -14,8 +14,10 @@
 -- ARGV[7]  the caller's fencing token, or '' when the partition is not owned (no check)
 -- XREADGROUP '>' of both streams (never blocking), then inbox_lease.lua over the entries' message
 -- ids (their records made here, as broker.redis.keys.inbox_record makes them). Returns
---   {1, reply, statuses}: the XREADGROUP reply and one status per entry in reply order (0 run,
---                         1 duplicate, 2 elsewhere; 0 with no lease for an entry without an id field)
+--   {1, reply, statuses[, last id of KEYS[1], of KEYS[2]]}: the XREADGROUP reply and one status per
+--                         entry in reply order (0 run, 1 duplicate, 2 elsewhere; 0 with no lease for an
+--                         entry without an id field); the last ids when fewer than count came back
+--                         (the streams were read to their end: the caller's next wait starts there)
 --   {0, last id of KEYS[1], last id of KEYS[2]}: nothing new (the caller may XREAD BLOCK from them)
 --   {-1}: fenced out (the lease's owner or token is not the caller's): nothing taken
 -- The server copies the reply through Lua (about 2 µs per entry): the caller uses this for small
@@ -28,16 +30,16 @@ if ARGV[7] ~= '' then
 end
 local reply = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[1], 'COUNT', ARGV[3],
   'STREAMS', KEYS[1], KEYS[2], '>', '>')
-if not reply then
-  local last = {0}
+local function last_ids(out, at)  -- the streams' last generated ids, into out[at], out[at + 1]
   for i = 1, 2 do
     local info = redis.call('XINFO', 'STREAM', KEYS[i])
     for j = 1, #info, 2 do
-      if info[j] == 'last-generated-id' then last[i + 1] = info[j + 1] end
+      if info[j] == 'last-generated-id' then out[at + i - 1] = info[j + 1] end
     end
   end
-  return last
+  return out
 end
+if not reply then return last_ids({0}, 2) end
 local ids, recs, at = {}, {}, {}  -- the ids found, their records, their positions among the entries
 local total = 0
 for _, stream in ipairs(reply) do
@@ -66,4 +68,6 @@ if #ids > 0 then
     table.concat(recs))
   for i = 1, #ids do statuses[at[i]] = got[i] end
 end
-return {1, reply, statuses}
+local out = {1, reply, statuses}
+if total < tonumber(ARGV[3]) then last_ids(out, 4) end  -- both streams read to their end: where a wait starts
+return out
