@@ -19,7 +19,8 @@ What a competent engineer writes without the framework, with the same guarantees
   consumer's);
 * an undecodable entry is copied to ``<stream>:plain-dlq`` and acknowledged.
 
-It is synchronous (one connection to each server, the 2 ms of work as ``time.sleep``), so one
+It is synchronous (one connection to each server, the work as ``time.sleep``: ``BENCH_WORK_MS``, default
+2 ms, none at 0, as in :mod:`benchmarks.sql_services`), so one
 process works through one batch at a time; run several processes for more. SIGTERM finishes the
 current batch and exits 0. It does not retry failing handlers with backoff (the benchmark's
 messages never fail): a failing batch is rolled back and read again from the pending entries.
@@ -132,7 +133,8 @@ class PlainConsumer:
                 rows = []
                 for mid, m in messages:
                     if mid in new:
-                        time.sleep(WORK_S)
+                        if WORK_S:
+                            time.sleep(WORK_S)
                         rows.append((m["seq"], m["sent_ns"]))
                         if m["record"]:
                             recorded.append((m["seq"], m["sent_ns"]))

@@ -7,7 +7,8 @@ namespace of its own (deleted afterwards) and on a scratch PostgreSQL database (
 emptied before each trial):
 
 * ``framework``: ``python -m framework run benchmarks.sql_services:service`` workers (default
-  settings: concurrency 64, prefetch 500, Redis inbox on) whose handler does 2 ms of work and inserts
+  settings: concurrency 64, prefetch 500, Redis inbox on) whose handler does 2 ms of work (``work_ms``:
+  the same for both kinds; at 0 the framework's own cost alone) and inserts
   one row inside ``ctx.sql_transaction(engine)`` (its SQL inbox row with it; the runtime's group commit);
   more framework kinds by name in :data:`FRAMEWORK_MODES` (``inbox="sql"``, one transaction per message);
 * ``plain``: :mod:`benchmarks.plain_sql_consumer` processes (redis-py + psycopg 3, one transaction
@@ -143,9 +144,11 @@ def count_rows(conn: psycopg.Connection[Any]) -> int:
 # -- processes ----------------------------------------------------------------------------------------------
 
 
-def worker_args(kind: str, url: str, db_url: str, namespace: str, consumer: str) -> tuple[list[str], dict[str, str]]:
-    """The command line (after ``python``) and environment of one worker of ``kind``."""
-    env = {"BENCH_DATABASE_URL": db_url, "BENCH_NAMESPACE": namespace}
+def worker_args(
+    kind: str, url: str, db_url: str, namespace: str, consumer: str, work_ms: float = 2.0
+) -> tuple[list[str], dict[str, str]]:
+    """The command line (after ``python``) and environment of one worker of ``kind`` (``work_ms`` per message)."""
+    env = {"BENCH_DATABASE_URL": db_url, "BENCH_NAMESPACE": namespace, "BENCH_WORK_MS": f"{work_ms:g}"}
     if kind == "framework" or kind in FRAMEWORK_MODES:
         extra, inbox = FRAMEWORK_MODES.get(kind, ((), "redis"))
         args = ["-m", "framework", "run", "benchmarks.sql_services:service", "--redis-url", url]
@@ -162,13 +165,13 @@ def worker_args(kind: str, url: str, db_url: str, namespace: str, consumer: str)
 
 @contextlib.contextmanager
 def start_workers(
-    kind: str, count: int, url: str, db_url: str, namespace: str, prefix: str = "w"
+    kind: str, count: int, url: str, db_url: str, namespace: str, prefix: str = "w", work_ms: float = 2.0
 ) -> Iterator[list[Child]]:
     """Run ``count`` worker processes of ``kind`` (consumers ``<prefix>0``...) for the block; stop them after."""
     with contextlib.ExitStack() as stack:
         workers = []
         for i in range(count):
-            args, env = worker_args(kind, url, db_url, namespace, f"{prefix}{i}")
+            args, env = worker_args(kind, url, db_url, namespace, f"{prefix}{i}", work_ms)
             workers.append(stack.enter_context(child(f"sql-{kind}-{prefix}{i}", args, env, grace=15.0)))
         yield workers
 
@@ -274,18 +277,22 @@ def drain_trial(
     *,
     latency_rate: float | None = None,
     latency_seconds: float = 10.0,
+    work_ms: float = 2.0,
     progress: Progress = _quiet,
 ) -> dict[str, Any]:
-    """One trial (see the module docstring): drain rate, client CPU per message, optional latency."""
+    """One trial (see the module docstring): drain rate, client CPU per message, optional latency.
+
+    ``work_ms``: the work per message of both kinds of consumer (``BENCH_WORK_MS``; 0: none).
+    """
     namespace = unique_namespace("bench-sql")
     stream = stream_key(namespace)
-    label = f"sql {kind} x{workers}"
+    label = f"sql {kind} x{workers} {work_ms:g} ms"
     truncate(db_url)
     client = redis.Redis.from_url(url, protocol=2)
     try:
         with (
             psycopg.connect(db_url, autocommit=True) as db,
-            start_workers(kind, workers, url, db_url, namespace) as procs_,
+            start_workers(kind, workers, url, db_url, namespace, work_ms=work_ms) as procs_,
         ):
             names = {f"w{i}" for i in range(workers)}
             wait_ready(client, stream, group_name(kind), names, procs_, timeout=60)
@@ -300,6 +307,7 @@ def drain_trial(
             result: dict[str, Any] = {
                 "kind": kind,
                 "workers": workers,
+                "work_ms": work_ms,
                 "n": n,
                 "seconds": seconds,
                 "msgs_per_s": n / seconds,

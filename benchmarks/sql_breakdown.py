@@ -1,6 +1,6 @@
 """Where a SQL-effects worker's CPU goes: the benchmark's handler in parts, one worker process each.
 
-    python -m benchmarks sql-breakdown [--messages 6000] [--rounds 2] [--workers 1]
+    python -m benchmarks sql-breakdown [--messages 6000] [--rounds 2] [--workers 1] [--work-ms 2]
 
 Not part of the default run. Each variant of :mod:`benchmarks.sql_services` (``BENCH_VARIANT``)
 drains the same backlog: ``sleep`` (the 2 ms of work without a SQL block: the runtime, Redis inbox
@@ -41,7 +41,7 @@ def _drained(client: redis.Redis, stream: str) -> bool:
     return all(g["pending"] == 0 for g in client.xinfo_groups(stream))
 
 
-def variant_trial(url: str, db_url: str, variant: str, workers: int, n: int) -> dict[str, Any]:
+def variant_trial(url: str, db_url: str, variant: str, workers: int, n: int, work_ms: float = 2.0) -> dict[str, Any]:
     """Drain ``n`` messages with ``workers`` processes running handler ``variant``; rate and CPU per message."""
     namespace = unique_namespace("bench-sqlparts")
     stream = stream_key(namespace)
@@ -49,7 +49,7 @@ def variant_trial(url: str, db_url: str, variant: str, workers: int, n: int) -> 
     client = redis.Redis.from_url(url, protocol=2)
     os.environ["BENCH_VARIANT"] = variant  # the workers inherit it
     try:
-        with sql_bench.start_workers("framework", workers, url, db_url, namespace) as procs:
+        with sql_bench.start_workers("framework", workers, url, db_url, namespace, work_ms=work_ms) as procs:
             sql_bench.wait_ready(client, stream, GROUP, {f"w{i}" for i in range(workers)}, procs, timeout=60)
             time.sleep(1.0)
             sql_bench.warm_up(url, namespace, lambda: _drained(client, stream), procs, variant)
@@ -78,16 +78,20 @@ def main(url: str, argv: Sequence[str]) -> int:
     parser.add_argument("--messages", type=int, default=6000, help="backlog per drain (default 6000)")
     parser.add_argument("--rounds", type=int, default=2, help="drains per variant (default 2)")
     parser.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    parser.add_argument("--work-ms", type=float, default=2.0, help="work per message, ms (default 2; 0: none)")
     args = parser.parse_args(argv)
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     with sql_bench.database() as db_url:
         for _ in range(args.rounds):
             for variant in VARIANTS:
-                r = variant_trial(url, db_url, variant, args.workers, args.messages)
+                r = variant_trial(url, db_url, variant, args.workers, args.messages, args.work_ms)
                 results[variant].append(r)
                 rate, cpu = r["msgs_per_s"], r["cpu_ms_per_msg"]
                 print(f"  {variant:<7} {rate:>8,.0f} msg/s  {cpu:.3f} ms CPU/msg", flush=True)
-    print(f"\nmedians, {args.workers} worker(s), {args.messages:,} messages, {args.rounds} round(s):")
+    print(
+        f"\nmedians, {args.workers} worker(s), {args.work_ms:g} ms work, {args.messages:,} messages, "
+        f"{args.rounds} round(s):"
+    )
     print("variant     msg/s   CPU ms/msg   + over the previous row")
     previous = None
     for variant in VARIANTS:

@@ -7,7 +7,8 @@ environment which database to write to (``BENCH_DATABASE_URL``) and where to rep
 1. opens ``ctx.sql_transaction(engine)`` (the framework records the message in its SQL inbox,
    ``framework_inbox``, in the same transaction: with the group's commit, in a worker);
 2. does :data:`WORK_S` of work inside the transaction (``await anyio.sleep``, like a call to
-   another service or a slow query);
+   another service or a slow query): ``BENCH_WORK_MS`` milliseconds, default 2; at 0 nothing is
+   awaited (the framework's own cost alone);
 3. raises if the message says so (``fail``: the soak benchmark's always-failing messages, which
    go through the retries to the dead-letter stream), else inserts one row into
    :data:`EFFECTS_TABLE`; the block commits;
@@ -54,7 +55,7 @@ __all__ = [
 
 SQL_QUEUE = Queue("bench.sql")
 GROUP = "sqlbench"  # the service name is the consumer group
-WORK_S = 0.002  # seconds of work per message, inside the transaction
+WORK_S = float(os.environ.get("BENCH_WORK_MS", "2")) / 1000  # seconds of work per message, in the transaction
 EFFECTS_TABLE = "bench_effects"
 PLAIN_INBOX_TABLE = "plain_inbox"
 
@@ -120,12 +121,14 @@ _DRIVER_INSERT = f"INSERT INTO {EFFECTS_TABLE} (seq, sent_ns) VALUES (%s, %s)"
 
 @service.command(SQL_QUEUE)
 async def apply(msg: SqlMessage, ctx: Context) -> None:
-    """2 ms of work and one row, inside the framework's SQL transaction (its inbox row with it)."""
+    """The work (2 ms by default) and one row, inside the framework's SQL transaction (its inbox row with it)."""
     if _VARIANT == "sleep":
-        await anyio.sleep(WORK_S)
+        if WORK_S:
+            await anyio.sleep(WORK_S)
         return
     async with ctx.sql_transaction(engine()) as conn:
-        await anyio.sleep(WORK_S)
+        if WORK_S:
+            await anyio.sleep(WORK_S)
         if msg.fail:
             raise AlwaysFails(f"message {msg.seq} always fails")
         if _VARIANT == "block":
