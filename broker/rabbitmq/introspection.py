@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from broker.codec import decode_flat
 from broker.envelope import Envelope
+from broker.errors import BrokerError, connection_errors
 from broker.introspection import (
     ConsumerSeen,
     DestinationState,
@@ -51,7 +52,11 @@ class Inspection(Administration):
         ready, consumers = await self._counts(view.keys.queue)
         dead, _ = await self._counts(view.keys.dlq)
         held, buffered = self._here(view.keys.queue)
-        return GroupState(view.group, consumers, held, ready + buffered, 0, dead)
+        try:
+            inbox = await self._inbox_memory(view)
+        except (BrokerError, *connection_errors()):  # the inbox's server is away: the queue's figures still count
+            inbox = InboxMemory()
+        return GroupState(view.group, consumers, held, ready + buffered, 0, dead, inbox)
 
     async def dead_letter_count(self, view: GroupPartition) -> int:
         """Dead letters of ``view``'s group on its partition."""
