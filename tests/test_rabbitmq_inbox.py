@@ -248,3 +248,28 @@ async def test_extend_pushes_out_the_leases_of_what_is_held(rabbit: Broker, redi
         assert after >= before + LEASE - 2000, (before, after)
     finally:
         await client.aclose()
+
+
+async def test_without_a_url_the_inbox_starts_and_uses_the_embedded_valkey(
+    rabbitmq_url: str, ns: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of the box (no ``?inbox=``, ``FRAMEWORK_INBOX_URL`` or ``REDIS_URL``) the inbox is the per-user
+    embedded Valkey, started on first use (here in a ``FRAMEWORK_HOME`` of the test's own)."""
+    from broker.redis.embedded import EmbeddedServer, default_data_dir
+
+    for name in ("FRAMEWORK_INBOX_URL", "REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FRAMEWORK_HOME", str(tmp_path / "home"))
+    server = EmbeddedServer(default_data_dir())
+    broker = await connect(rabbitmq_url, namespace=ns)
+    try:
+        assert not server.status().running, "connecting started the inbox's server (publishers never need it)"
+        view = await _queue(broker)
+        await broker.publish([command(view.spec.name, 1)])
+        [d] = await as_inbox(broker).read_leased(view, "c", 10, 2000, lease_ms=LEASE)
+        assert d.inbox_status == RUN and server.status().running
+        assert await broker.ack(view, [d], inbox=True) == 1
+        assert (await as_introspection(broker).inbox_memory(view)).ids == 1
+    finally:
+        await broker.close()
+        server.stop()
