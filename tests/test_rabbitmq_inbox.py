@@ -142,7 +142,9 @@ async def test_an_unreachable_inbox_server_is_one_line_fast_and_the_runtime_stop
         assert "\n" not in message and "secret-pw" not in message, message
         assert "inbox's Redis at redis://:***@127.0.0.1:1/0" in message and "redis-server" in message, message
         with pytest.raises(BrokerUnavailable, match="inbox's Redis"):
-            await broker.read_leased(view, "c", 10, 100, lease_ms=LEASE)  # type: ignore[attr-defined]
+            await as_inbox(broker).read_leased(view, "c", 10, 100, lease_ms=LEASE)
+        state = await as_introspection(broker).group_state(view)  # framework status still answers
+        assert state.inbox.ids == 0, state
     finally:
         await broker.close()
     billing, _ = _services()

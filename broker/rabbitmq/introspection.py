@@ -52,9 +52,10 @@ class Inspection(Administration):
         ready, consumers = await self._counts(view.keys.queue)
         dead, _ = await self._counts(view.keys.dlq)
         held, buffered = self._here(view.keys.queue)
+        away: tuple[type[BaseException], ...] = (BrokerError, *connection_errors())
         try:
             inbox = await self._inbox_memory(view)
-        except (BrokerError, *connection_errors()):  # the inbox's server is away: the queue's figures still count
+        except away:  # the inbox's server is away: the queue's figures still count
             inbox = InboxMemory()
         return GroupState(view.group, consumers, held, ready + buffered, 0, dead, inbox)
 
