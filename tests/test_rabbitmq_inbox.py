@@ -275,3 +275,26 @@ async def test_without_a_url_the_inbox_starts_and_uses_the_embedded_valkey(
     finally:
         await broker.close()
         server.stop()
+
+
+def test_framework_run_stops_at_start_with_one_line_when_the_inbox_redis_is_away(rabbitmq_url: str, ns: str) -> None:
+    """``framework run`` of a service with the default inbox exits 1 at start, saying which server and how to
+    start one, without a traceback and within seconds."""
+    import os
+
+    from tests.conftest import ROOT, run_cli
+
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BROKER_URL", "FRAMEWORK_INBOX_URL")}
+    env.update(
+        BROKER_URL=with_inbox(rabbitmq_url, "redis://:pw-not-shown@127.0.0.1:1/0"),
+        FRAMEWORK_NAMESPACE=ns,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "apps"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        RUNS_DIR="/nonexistent",
+    )
+    started = time.monotonic()
+    out = run_cli("run", "rabbitapp:billing", env=env, timeout=60)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert time.monotonic() - started < 30
+    errors = [line for line in out.stderr.splitlines() if line.startswith("framework run:")]
+    assert len(errors) == 1 and "cannot reach the inbox's Redis at redis://:***@127.0.0.1:1/0" in errors[0], out.stderr
+    assert "redis-server" in errors[0] and "Traceback" not in out.stderr and "pw-not-shown" not in out.stderr
