@@ -21,7 +21,7 @@ import redis.asyncio as aredis
 from broker import Broker, BrokerUnavailable, GroupPartition, connect
 from broker.capabilities import INBOX, as_inbox, as_introspection
 from broker.conformance.support import command
-from broker.envelope import now_ms
+from broker.envelope import Envelope, now_ms
 from broker.redis.keys import KeySpace
 from broker.topology import DestinationSpec
 from broker.urls import redact
@@ -298,3 +298,19 @@ def test_framework_run_stops_at_start_with_one_line_when_the_inbox_redis_is_away
     errors = [line for line in out.stderr.splitlines() if line.startswith("framework run:")]
     assert len(errors) == 1 and "cannot reach the inbox's Redis at redis://:***@127.0.0.1:1/0" in errors[0], out.stderr
     assert "redis-server" in errors[0] and "Traceback" not in out.stderr and "pw-not-shown" not in out.stderr
+
+
+async def test_unsubscribe_forgets_the_groups_inbox(rabbit: Broker) -> None:
+    """``framework unsubscribe`` on RabbitMQ deletes the group's inbox records with its queues: a group
+    subscribing again later runs what it gets."""
+    from broker.capabilities import as_dead_letter_admin
+
+    spec = await rabbit.declare(DestinationSpec("billing.paid", "event"))
+    [view] = await rabbit.subscribe(spec, "billing")
+    sent = Envelope(destination=spec.name, kind="event", type="E", body=b"{}")
+    await rabbit.publish([sent])
+    [d] = await as_inbox(rabbit).read_leased(view, "c", 10, 2000, lease_ms=LEASE)
+    assert await rabbit.ack(view, [d], inbox=True) == 1
+    assert (await as_introspection(rabbit).inbox_memory(view)).ids == 1
+    await as_dead_letter_admin(rabbit).unsubscribe(spec, "billing")
+    assert (await as_introspection(rabbit).inbox_memory(view)).ids == 0

@@ -69,6 +69,10 @@ class SideInbox(Protocol):
         """What the group partition's inbox holds."""
         ...
 
+    async def forget(self, source: GroupPartition) -> int:
+        """Delete the group partition's inbox (records and leases): the group is going away."""
+        ...
+
     async def close(self) -> None:
         """Close its connection."""
         ...
@@ -149,6 +153,11 @@ class Inboxes(Reading):
         """End the delivery's lease (a retry or a dead letter, before its copy is published)."""
         if self.side_inbox is not None and delivery.message_id:
             await self.side_inbox.release(delivery.source, [delivery.message_id])
+
+    async def _inbox_forget(self, view: GroupPartition) -> None:
+        """Delete the group partition's inbox (unsubscribe, delete a destination)."""
+        if self.side_inbox is not None:
+            await self.side_inbox.forget(view)
 
     async def _inbox_memory(self, view: GroupPartition) -> InboxMemory:
         return InboxMemory() if self.side_inbox is None else await self.side_inbox.memory(view)

@@ -12,7 +12,8 @@ keeps its processed ids. Every call is one of the Redis transport's own:
   expiry is a lower score, and only a member already there, a lease, is touched);
 * release leases (a retry or a dead letter): ``ZADD XX GT -now``, which ends a live lease at once and
   never touches a final record (scores >= 0);
-* forget old records and dead leases: :meth:`RedisBroker.trim_inbox`.
+* forget old records and dead leases: :meth:`RedisBroker.trim_inbox`; a group's whole inbox when it
+  goes (unsubscribe): :meth:`RedisBroker.delete_inbox`.
 
 The connection is opened on first use (or by :meth:`ready`, which the runtime calls at start): a
 process that only publishes never needs the inbox's server. Without a URL the inbox uses
@@ -169,6 +170,12 @@ class RedisInbox:
         """What the group partition's inbox holds (:meth:`RedisBroker.inbox_memory`)."""
         broker, view = await self._view(source)
         return await broker.inbox_memory(view)
+
+    async def forget(self, source: GroupPartition) -> int:
+        """Delete the group partition's inbox (:meth:`RedisBroker.delete_inbox`, plus its attempts hash);
+        returns the keys deleted."""
+        broker, view = await self._view(source)
+        return await broker.delete_inbox(view) + int(await broker.redis.delete(view.keys.attempts))
 
     async def close(self) -> None:
         """Close the connection (opened again on next use)."""
