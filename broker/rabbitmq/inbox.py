@@ -122,10 +122,14 @@ class Inboxes(Reading):
         When the store fails the error propagates; what was read stays held here and is delivered
         again by ``claim_idle`` after the visibility timeout (or by the server if the process ends)."""
         out = await self.read(source, consumer, count, block_ms, channel=channel, token=token)
-        if out:
-            statuses = await self._store().claim(source, out, lease_ms, window_ms=window_ms)
-            for d, status in zip(out, statuses, strict=True):
+        ided = [d for d in out if d.message_id]
+        if ided:
+            statuses = await self._store().claim(source, ided, lease_ms, window_ms=window_ms)
+            for d, status in zip(ided, statuses, strict=True):
                 d.inbox_status = status
+        for d in out:
+            if not d.message_id:  # undecodable: no id to lease (it is dead-lettered), as on Redis
+                d.inbox_status = 0
         return out
 
     async def trim_inbox(self, source: GroupPartition, older_than_ms: int) -> int:
