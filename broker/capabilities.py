@@ -8,7 +8,7 @@ its first message. Each capability is a protocol of the methods it adds to :clas
 
 | name | protocol | Redis | memory | RabbitMQ |
 |---|---|---|---|---|
-| ``inbox`` | :class:`InboxStore` | yes | yes | no |
+| ``inbox`` | :class:`InboxStore` | yes | yes | yes, in Redis beside the server (``?inbox=none``: no) |
 | ``ownership`` | :class:`PartitionOwnership` | yes (fencing in every settle script) | yes (one process) | no |
 | ``scheduling`` | :class:`Scheduler` | yes | yes | no |
 | ``dead_letter_admin`` | :class:`DeadLetterAdmin` | yes | yes | yes |
@@ -110,6 +110,12 @@ class InboxStore(Protocol):
 
     async def trim_inbox(self, source: GroupPartition, older_than_ms: int) -> int:
         """Forget processed ids recorded before ``older_than_ms`` and leases that expired."""
+        ...
+
+    async def inbox_ready(self) -> None:
+        """Check the inbox can be used, before any message (the runtime's start): a transport that
+        keeps its inbox in a store beside it (RabbitMQ's Redis inbox) connects to it here and raises
+        :class:`~broker.errors.BrokerUnavailable` in one line when it cannot; others return at once."""
         ...
 
 

@@ -5,6 +5,10 @@ needed). Schemes: ``redis://``, ``rediss://``, ``unix://`` (Redis or Valkey, sin
 Cluster), ``amqp://`` and ``amqps://`` (RabbitMQ 3.10+, see :mod:`broker.rabbitmq`; needs the
 ``rabbitmq`` extra) and ``memory://[name]`` (in this process only: for users' unit tests, see
 :mod:`broker.memory`). An unknown scheme is refused with the list of those there are.
+
+A RabbitMQ broker gets the Redis inbox (:mod:`broker.redis.side_inbox`): on the Redis server the
+URL's ``inbox`` parameter names (``amqp://...?inbox=redis://127.0.0.1:6379/0``), else
+``$FRAMEWORK_INBOX_URL``, else ``$REDIS_URL``, else the embedded Valkey; ``inbox=none`` turns it off.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 from broker.errors import BrokerUnavailable
 from broker.protocol import Broker
@@ -113,5 +119,31 @@ async def _connect_amqp(url: str, namespace: str | None) -> Broker:
         raise BrokerUnavailable(
             f"{redact(url)!r} needs the RabbitMQ client (aio-pika): pip install 'framework[rabbitmq]'"
         ) from None
-    broker: Broker = await connect_rabbitmq(url, namespace=namespace)
+    broker: Broker = await connect_rabbitmq(url, namespace=namespace, inbox=_side_inbox(url, namespace))
     return broker
+
+
+INBOX_OFF = ("none", "off", "false", "0")
+"""Values of an amqp URL's ``inbox`` parameter (or ``$FRAMEWORK_INBOX_URL``) that turn the Redis inbox off."""
+
+
+def _side_inbox(url: str, namespace: str | None) -> Any:
+    """The Redis inbox of a RabbitMQ broker (``broker.redis.side_inbox.RedisInbox``, connected on first
+    use), or None when turned off. Its server: the URL's ``inbox`` query parameter, else
+    ``$FRAMEWORK_INBOX_URL``, else ``$REDIS_URL``, else the per-user embedded Valkey (started when
+    first needed), as the Redis transport would choose."""
+    values = [v for k, v in parse_qsl(urlsplit(url).query, keep_blank_values=True) if k == "inbox"]
+    if values:
+        chosen, origin = values[-1], "the broker URL's ?inbox="
+    else:
+        chosen, origin = os.environ.get("FRAMEWORK_INBOX_URL", ""), "FRAMEWORK_INBOX_URL"
+    if chosen.strip().lower() in INBOX_OFF:
+        return None
+    if chosen and scheme_of(chosen) not in REDIS_SCHEMES:
+        raise BrokerUnavailable(
+            f"invalid inbox URL {redact(chosen)!r} ({origin}): expected redis://host:port/db, rediss://... or "
+            f"unix:///path (or 'none' to turn the Redis inbox off)"
+        )
+    from broker.redis.side_inbox import RedisInbox
+
+    return RedisInbox(chosen or None, namespace=namespace or default_namespace(), origin=origin)

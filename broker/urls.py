@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 __all__ = ["default_namespace", "framework_home", "redact"]
 
@@ -25,6 +25,9 @@ def redact(url: str) -> str:
     if password:
         netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{port}" if port else "")
         url = urlunsplit(parts._replace(netloc=netloc))
+    if "inbox=" in parts.query:  # an amqp URL naming its inbox's Redis (which may carry a password)
+        query = [(k, redact(v) if k == "inbox" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+        url = urlunsplit(urlsplit(url)._replace(query=urlencode(query, safe=":/@*")))
     return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)  # redis-py also takes ?password=...
 
 

@@ -14,6 +14,7 @@ import importlib.util
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, cast
+from urllib.parse import quote
 
 import anyio
 import pytest
@@ -66,17 +67,21 @@ async def rabbitmq_store_raw(broker: Broker, view: GroupPartition, fields: Mappi
 
 def rabbitmq(request: pytest.FixtureRequest) -> tuple[BrokerFactory, Features]:
     """:class:`~broker.rabbitmq.RabbitBroker` on the local RabbitMQ, in the session's own virtual host and
-    the test's own namespace (skipped when the server is unreachable, failed under CI)."""
+    the test's own namespace (skipped when the server is unreachable, failed under CI), with the Redis
+    inbox on the session's Redis server (``?inbox=``)."""
     from broker.rabbitmq import RabbitBroker
 
     url, namespace = request.getfixturevalue("rabbitmq_url"), f"conf-{uuid.uuid4().hex[:8]}"
+    url += "?inbox=" + quote(request.getfixturevalue("redis_url"), safe="")
     return (lambda: connect(url, namespace=namespace)), rabbitmq_features(RabbitBroker.capabilities)
 
 
 def rabbitmq_features(capabilities: frozenset[str]) -> Features:
-    """What the RabbitMQ transport claims: its capabilities, minus the promises docs/transports.md lists as gaps."""
+    """What the RabbitMQ transport claims: its capabilities and the Redis inbox beside it, minus the
+    promises docs/transports.md lists as gaps."""
     return Features.of(
         capabilities,
+        inbox=True,
         retention=False,
         idempotency_keys=False,
         parked_retries=False,

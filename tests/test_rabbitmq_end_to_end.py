@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -239,3 +240,135 @@ def test_a_worker_paused_past_the_heartbeat_loses_its_partitions_to_another_and_
     for w in (a, b):
         w.send_signal(signal.SIGTERM)
         assert w.wait(timeout=60) == 0
+
+
+# -- the default inbox (the Redis inbox beside RabbitMQ) ------------------------------------------------
+
+CHARGES = Queue("rabbit.charges", partitions=2)  # as tests/apps/rabbitapp.py declares it
+
+
+def _lines(runs_dir: Path) -> list[tuple[str, str, int, str]]:
+    """(worker, "start" | "end", n, message id) of every line the billing workers wrote."""
+    out = []
+    for f in sorted(runs_dir.iterdir()):
+        for line in f.read_text().splitlines():
+            what, n, mid = line.split()
+            out.append((f.name, what, int(n), mid))
+    return out
+
+
+def _status_rows(env: dict[str, str]) -> list[dict]:
+    out = run_cli("status", "--json", "rabbit.charges", env=env)
+    assert out.returncode == 0, out.stderr
+    return [g for d in json.loads(out.stdout) for g in d["groups"]]
+
+
+def test_the_default_inbox_runs_copies_of_a_message_once(
+    rabbit_workers: Workers, env: dict[str, str], redis_url: str, tmp_path: Path
+) -> None:
+    """A service with the default inbox runs on RabbitMQ unchanged (its inbox in Redis, named by ``?inbox=``):
+    each message published twice with the same message id runs once; ``framework status`` reads the inbox."""
+    runs_dir = tmp_path / "charges"
+    runs_dir.mkdir()
+    env = {**env, "BROKER_URL": f"{env['BROKER_URL']}?inbox={quote(redis_url, safe='')}", "RUNS_DIR": str(runs_dir)}
+    rabbit_workers.env = env
+    total = 40
+    with SyncClient(env["BROKER_URL"], namespace=env["FRAMEWORK_NAMESPACE"]) as client:
+        for i in range(total):
+            cmd = {"n": i, "key": f"k{i % 5}"}
+            mid = client.send(CHARGES, cmd, key=cmd["key"])
+            client.send(CHARGES, cmd, key=cmd["key"], message_id=mid)  # a producer's retry: the same id
+    w = rabbit_workers.start("rabbitapp:billing", "w", "--prefetch", "20", JOB_SLEEP="0.01", CONSUMER_NAME="w")
+    wait_for(lambda: len([x for x in _lines(runs_dir) if x[1] == "end"]) >= total, 60, "every charge")
+    time.sleep(1.5)  # the second copies, deferred while their first ran, are checked again and dropped
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(timeout=30) == 0
+    rows = _status_rows(env)  # what the worker did not ack went back to the queue: it would show as lag
+    assert [(r["group"], r["lag"]) for r in rows] == [("billing", 0)], rows
+    assert rows[0]["inbox_ids"] >= total, f"framework status does not see the inbox: {rows}"
+    lines = _lines(runs_dir)
+    starts = sorted(n for _, what, n, _ in lines if what == "start")
+    assert starts == list(range(total)), f"a copy ran (or a charge was lost): {starts}"
+    assert sorted(n for _, what, n, _ in lines if what == "end") == list(range(total))
+    assert "the rabbitmq transport lacks" not in rabbit_workers.log("w")
+
+
+async def _recorded(redis_url: str, namespace: str, ids: dict[int, list[str]]) -> set[str]:
+    """Which of ``ids`` (per partition) the inbox holds as processed: inbox_claim.lua with a 1 ms lease (an
+    id leased by a run has status 2 and keeps its lease; a new one is leased for 1 ms, which changes nothing)."""
+    from broker import connect
+    from broker.envelope import now_ms
+    from broker.redis import RedisBroker
+    from broker.redis.keys import inbox_records
+    from broker.topology import DestinationSpec
+
+    broker = await connect(redis_url, namespace=namespace)
+    assert isinstance(broker, RedisBroker)
+    try:
+        found: set[str] = set()
+        spec = DestinationSpec(CHARGES.name, "command", partitions=2)
+        for partition, chunk in ids.items():
+            if not chunk:
+                continue
+            view = broker.group_partition(spec, partition, "billing")
+            args = [now_ms(), 1, len(chunk), 0, len(chunk), *chunk, inbox_records(chunk)]
+            statuses = await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args)
+            found |= {mid for mid, status in zip(chunk, statuses, strict=True) if int(status) == 1}
+        return found
+    finally:
+        await broker.close()
+
+
+def test_a_sigkilled_worker_with_the_default_inbox_loses_nothing_and_reruns_nothing_recorded(
+    rabbit_workers: Workers, env: dict[str, str], redis_url: str, tmp_path: Path
+) -> None:
+    """SIGKILL the worker mid-stream; the inbox's Redis comes from ``REDIS_URL`` (no ``?inbox=``). Then:
+    every charge's effect happened; no charge whose id the killed worker recorded ran again (the
+    server requeued what it had not acked: found processed, dropped); the only effects twice are charges the
+    killed worker finished and had not recorded yet (killed between the handler's end and the record:
+    the Redis inbox records with the ack, not with the effect), and none of those ran three times."""
+    import anyio
+
+    runs_dir = tmp_path / "charges"
+    runs_dir.mkdir()
+    env = {**env, "REDIS_URL": redis_url, "RUNS_DIR": str(runs_dir)}
+    rabbit_workers.env = env
+    total, keys = 600, 6
+    partition_of: dict[str, int] = {}
+    with SyncClient(env["BROKER_URL"], namespace=env["FRAMEWORK_NAMESPACE"]) as client:
+        for i in range(total):
+            key = f"k{i % keys}"
+            mid = client.send(CHARGES, {"n": i, "key": key}, key=key)
+            assert mid is not None
+            partition_of[mid] = CHARGES.spec().partition_for(key, mid)
+    opts = ("--prefetch", "20", "--concurrency", "4")
+    a = rabbit_workers.start("rabbitapp:billing", "a", *opts, JOB_SLEEP="0.01", CONSUMER_NAME="a")
+    wait_for(lambda: len([x for x in _lines(runs_dir) if x[1] == "end"]) > 150, 60, "worker a to apply charges")
+    a.send_signal(signal.SIGKILL)  # mid-stream: it holds fetched, unacknowledged charges; RabbitMQ requeues them
+    a.wait()
+    ended_by_a = {mid for w, what, _, mid in _lines(runs_dir) if w == "a" and what == "end"}
+    by_partition: dict[int, list[str]] = {0: [], 1: []}
+    for mid in ended_by_a:
+        by_partition[partition_of[mid]].append(mid)
+    recorded = anyio.run(_recorded, redis_url, env["FRAMEWORK_NAMESPACE"], by_partition)
+    b = rabbit_workers.start("rabbitapp:billing", "b", *opts, JOB_SLEEP="0.001", CONSUMER_NAME="b")
+    wait_for(lambda: {n for _, what, n, _ in _lines(runs_dir) if what == "end"} == set(range(total)), 120, "all")
+    time.sleep(1)  # a duplicate still on its way would show now
+    b.send_signal(signal.SIGTERM)
+    assert b.wait(timeout=30) == 0
+    rows = _status_rows(env)  # what b did not ack went back to the queue: it would show as lag
+    assert [(r["group"], r["lag"]) for r in rows] == [("billing", 0)], rows
+    lines = _lines(runs_dir)
+    started_by_b = {mid for w, what, _, mid in lines if w == "b" and what == "start"}
+    ends: dict[str, int] = {}
+    for _, what, _, mid in lines:
+        if what == "end":
+            ends[mid] = ends.get(mid, 0) + 1
+    twice = {mid for mid, count in ends.items() if count > 1}
+    assert len(ends) == total, "a charge was lost"
+    assert not (started_by_b & recorded), f"{len(started_by_b & recorded)} recorded charges ran again"
+    assert twice <= ended_by_a - recorded, "an effect happened twice for a charge the killed worker never finished"
+    assert max(ends.values()) <= 2, "a charge's effect happened three times"
+    assert len(recorded) >= len(ended_by_a) - 2 * 20 * 2, (
+        f"of {len(ended_by_a)} charges a finished only {len(recorded)} were recorded: more than its unacked window"
+    )

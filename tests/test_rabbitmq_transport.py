@@ -103,9 +103,10 @@ class Charge:
     order_id: str
 
 
-async def test_services_needing_the_redis_inbox_are_refused_at_start_on_rabbitmq(rabbitmq_url: str) -> None:
-    """The transport has no inbox store: a handler with the default inbox stops the start, naming it;
-    one with ``inbox=False`` (or the SQL inbox) is accepted."""
+async def test_with_the_redis_inbox_turned_off_services_needing_it_are_refused_at_start(rabbitmq_url: str) -> None:
+    """With ``?inbox=none`` the broker has no inbox store: a handler with the default inbox stops the start,
+    naming it; one with ``inbox=False`` (or the SQL inbox) is accepted. (With the Redis inbox, the default,
+    both start: ``tests/test_rabbitmq_inbox.py``, which also covers an unreachable inbox server.)"""
     billing = Service("billing")
 
     @billing.command("billing.charge")
@@ -116,7 +117,7 @@ async def test_services_needing_the_redis_inbox_are_refused_at_start_on_rabbitmq
     @lean.command("lean.charge")
     async def charge_lean(cmd: Charge, ctx: Context) -> None: ...
 
-    broker = await connect(rabbitmq_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    broker = await connect(f"{rabbitmq_url}?inbox=none", namespace=f"t-{uuid.uuid4().hex[:8]}")
     try:
         with pytest.raises(HandlerError, match=r"rabbitmq transport lacks.*billing.charge needs 'inbox'"):
             check_requirements(broker, [billing], TEST_SETTINGS)

@@ -232,3 +232,6 @@ class Settlement(Topology):
         await self._checkpoint()
         state = self.server.groups.get((source.stream, source.group))
         return state.inbox.trim(older_than_ms, wall_ms()) if state is not None else 0
+
+    async def inbox_ready(self) -> None:
+        """Nothing to check: the inbox lives in this process's server."""

@@ -30,9 +30,10 @@ What it does not keep (``docs/transports.md`` has the table):
   runs the message again (a duplicate, never a loss).
 * **No claim by idle time, no lease to extend, no fencing**: the server requeues what a closed
   channel held; a handler past the server's ``consumer_timeout`` (30 min on 3.10) loses its channel.
-* **No inbox, no state store, no idempotency keys, no scheduler admin** (listing, cancelling
-  scheduled messages, recurring jobs): services on RabbitMQ use the SQL inbox
-  (``ctx.sql_transaction``) or ``inbox=False``; the runtime stops at start naming what is missing.
+* **The inbox is kept beside the server**, in Redis (:mod:`broker.rabbitmq.inbox`; ``?inbox=`` of the
+  URL, ``$FRAMEWORK_INBOX_URL``, else ``$REDIS_URL`` or the embedded Valkey: see :func:`broker.connect`).
+* **No state store, no idempotency keys, no scheduler admin** (listing, cancelling scheduled
+  messages, recurring jobs): the runtime stops at start naming what is missing.
 * **Partitions** are ordered per queue by single active consumer: one worker at a time reads a
   partition, the server picks which (no balancing by leases).
 """
@@ -46,6 +47,7 @@ from broker.errors import BrokerUnavailable, register_transport_errors
 from broker.rabbitmq.broker import RabbitBroker
 from broker.rabbitmq.connection import open_connection, split_url
 from broker.rabbitmq.core import is_closed_error
+from broker.rabbitmq.inbox import SideInbox
 from broker.rabbitmq.names import Layout
 from broker.urls import default_namespace, redact
 
@@ -62,15 +64,21 @@ register_transport_errors(
 )
 
 
-async def connect_rabbitmq(url: str, *, namespace: str | None = None) -> RabbitBroker:
+async def connect_rabbitmq(url: str, *, namespace: str | None = None, inbox: SideInbox | None = None) -> RabbitBroker:
     """Connect to the RabbitMQ server ``url`` names and declare the namespace's exchanges; raise
-    :class:`BrokerUnavailable` in one line saying what to do (never hang: every step is bounded)."""
+    :class:`BrokerUnavailable` in one line saying what to do (never hang: every step is bounded).
+    ``inbox``: the inbox's store (the broker then declares ``inbox``; it closes the store with itself)."""
     client_url, options = split_url(url)
     timeout = float(options.get("timeout", 10.0))
     where = redact(url)
     connection = await open_connection(url, client_url, timeout)
     broker = RabbitBroker(
-        connection, url=url, client_url=client_url, namespace=namespace or default_namespace(), **options
+        connection,
+        url=url,
+        client_url=client_url,
+        namespace=namespace or default_namespace(),
+        inbox=inbox,
+        **options,
     )
     try:
         if broker.server_version and tuple(int(x) for x in broker.server_version.split(".")[:2]) < (3, 10):

@@ -107,10 +107,13 @@ class Administration(Settlement):
         return 1
 
     async def unsubscribe(self, spec: DestinationSpec, group: str) -> None:
-        """Remove ``group`` from every partition of ``spec``: its queues (a topic's) and dead letters.
+        """Remove ``group`` from every partition of ``spec``: its queues (a topic's), dead letters and inbox.
 
-        A queue destination keeps its partition queues and what they hold for its next owner.
+        A queue destination keeps its partition queues and what they hold for its next owner. The
+        group's inbox records go first (an unreachable inbox store stops it before anything is deleted).
         """
+        for p in range(spec.partitions):
+            await self._inbox_forget(self.group_partition(spec, p, group))
         for p in range(spec.partitions):
             view = self.group_partition(spec, p, group)
             await self._delete_queue(view.keys.dlq)
@@ -121,8 +124,8 @@ class Administration(Settlement):
         await self._record({"op": "unsubscribe", "destination": spec.name, "group": group})
 
     async def delete_destination(self, spec: DestinationSpec, *, force: bool = False) -> int:
-        """Delete ``spec`` with its queues and every group's queues and dead letters; return how many
-        queues went. Refuses with ``ConfigurationError`` while a group is subscribed or messages are
+        """Delete ``spec`` with its queues and every group's queues, dead letters and inbox records; return
+        how many queues went. Refuses with ``ConfigurationError`` while a group is subscribed or messages are
         stored, unless ``force``."""
         registry = await self.read_registry()
         groups = sorted({g for d, g in registry.subscriptions if d == spec.name})
@@ -137,6 +140,9 @@ class Administration(Settlement):
                 "drain first, or force the delete"
             )
         deleted = 0
+        for p in range(spec.partitions):
+            for group in groups:
+                await self._inbox_forget(self.group_partition(spec, p, group))
         for p in range(spec.partitions):
             for group in groups:
                 view = self.group_partition(spec, p, group)

@@ -12,7 +12,8 @@ from typing import Any
 
 import aio_pika.abc
 
-from broker.capabilities import DEAD_LETTER_ADMIN, INTROSPECTION
+from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION
+from broker.rabbitmq.inbox import SideInbox
 from broker.rabbitmq.introspection import Inspection
 
 __all__ = ["RabbitBroker"]
@@ -23,8 +24,10 @@ class RabbitBroker(Inspection):
     ``broker.connect("amqp://...")``) to build one.
 
     Keeps the :class:`~broker.Broker` contract with the degraded promises written in
-    :mod:`broker.rabbitmq` and declares ``dead_letter_admin`` and ``introspection``; no ``inbox``,
-    ``ownership``, ``scheduling`` (cancel, list, recurring jobs), ``state`` or ``redis``.
+    :mod:`broker.rabbitmq` and declares ``dead_letter_admin`` and ``introspection``, and ``inbox`` when
+    it was given an inbox store (``inbox``, a :class:`~broker.rabbitmq.inbox.SideInbox`: the Redis
+    inbox from :func:`broker.connect`); no ``ownership``, ``scheduling`` (cancel, list, recurring
+    jobs), ``state`` or ``redis``.
     """
 
     transport = "rabbitmq"
@@ -34,8 +37,13 @@ class RabbitBroker(Inspection):
     the runtime needs no ownership leases to keep per-key order across processes (it reads every partition
     and the server picks the one reader; another takes over when that one's channel closes)."""
 
-    def __init__(self, connection: aio_pika.abc.AbstractConnection, **options: Any) -> None:
+    def __init__(
+        self, connection: aio_pika.abc.AbstractConnection, *, inbox: SideInbox | None = None, **options: Any
+    ) -> None:
         super().__init__(connection, **options)
+        self.side_inbox = inbox
+        if inbox is not None:  # per instance: the class declares what every RabbitMQ broker has
+            self.capabilities = frozenset({*self.capabilities, INBOX})
         self._ready = set()
         self._chain_ready = False
         self._feeds = {}

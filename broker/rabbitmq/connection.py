@@ -19,6 +19,8 @@ DEFAULT_HEARTBEAT_S = 10
 two intervals (and the broker reconnects on its next call)."""
 
 _OPTIONS = {"prefetch": int, "delivery_limit": int, "timeout": float}
+_ELSEWHERE = ("inbox",)
+"""Query parameters read by :func:`broker.connect` (the inbox's store), not by this transport or its client."""
 
 
 def split_url(url: str) -> tuple[str, dict[str, float | int]]:
@@ -33,7 +35,7 @@ def split_url(url: str) -> tuple[str, dict[str, float | int]]:
                 ours[name] = _OPTIONS[name](value)
             except ValueError:
                 raise ConfigurationError(f"broker URL option {name}={value!r} is not a number") from None
-        else:
+        elif name not in _ELSEWHERE:
             rest.append((name, value))
     if not any(name == "heartbeat" for name, _ in rest):
         rest.append(("heartbeat", str(DEFAULT_HEARTBEAT_S)))

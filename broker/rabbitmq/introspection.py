@@ -5,8 +5,8 @@ and from what this broker itself holds. So ``pending`` counts what this connecti
 unacknowledged (another process's unacknowledged messages are not visible), ``lag`` counts messages
 ready in the group's queue plus those delivered here and not yet read, ``delayed`` is 0 (a retry
 waiting in the namespace's delay chain is not told apart by group) and a topic's ``depth`` is its
-fullest group queue's (nothing is stored for a topic but its groups' copies). Inbox memory is 0 (the
-transport has no inbox).
+fullest group queue's (nothing is stored for a topic but its groups' copies). Inbox memory is read
+from the inbox's store (:mod:`broker.rabbitmq.inbox`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from broker.codec import decode_flat
 from broker.envelope import Envelope
+from broker.errors import BrokerError, connection_errors
 from broker.introspection import (
     ConsumerSeen,
     DestinationState,
@@ -51,15 +52,20 @@ class Inspection(Administration):
         ready, consumers = await self._counts(view.keys.queue)
         dead, _ = await self._counts(view.keys.dlq)
         held, buffered = self._here(view.keys.queue)
-        return GroupState(view.group, consumers, held, ready + buffered, 0, dead)
+        away: tuple[type[BaseException], ...] = (BrokerError, *connection_errors())
+        try:
+            inbox = await self._inbox_memory(view)
+        except away:  # the inbox's server is away: the queue's figures still count
+            inbox = InboxMemory()
+        return GroupState(view.group, consumers, held, ready + buffered, 0, dead, inbox)
 
     async def dead_letter_count(self, view: GroupPartition) -> int:
         """Dead letters of ``view``'s group on its partition."""
         return (await self._counts(view.keys.dlq))[0]
 
     async def inbox_memory(self, view: GroupPartition, *, now: int | None = None) -> InboxMemory:
-        """Nothing: the transport keeps no inbox."""
-        return InboxMemory()
+        """What the group partition's inbox holds in its store (nothing without one)."""
+        return await self._inbox_memory(view)
 
     async def _groups(self, spec: DestinationSpec) -> list[str]:
         return sorted({g for d, g in (await self.read_registry()).subscriptions if d == spec.name})

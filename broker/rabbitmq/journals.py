@@ -62,18 +62,19 @@ class Journals(RabbitCore):
             queue = await channel.get_queue(stream, ensure=False)
 
             async def on_record(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+                if done.is_set():  # read through: no ack, which could follow the channel's close on the wire
+                    return  # (the server answers an ack on a closed channel by closing the whole connection)
                 await message.ack()
-                if done.is_set():
-                    return
                 record = orjson.loads(message.body)
                 if record.get("op") != _MARKER:
                     records.append(record)
                 elif record.get("token") == token:
                     done.set()
 
-            await queue.consume(on_record, arguments={"x-stream-offset": "first"}, timeout=self.timeout)
+            tag = await queue.consume(on_record, arguments={"x-stream-offset": "first"}, timeout=self.timeout)
             with anyio.fail_after(self.timeout):
                 await done.wait()
+                await queue.cancel(tag, timeout=self.timeout)  # acks still on their way go out before the close
         finally:
             await channel.close()
         return records

@@ -23,14 +23,14 @@ from broker.envelope import Envelope, now_ms
 from broker.errors import BrokerError
 from broker.headers import IDEMPOTENCY_KEY
 from broker.rabbitmq.core import to_message
+from broker.rabbitmq.inbox import Inboxes
 from broker.rabbitmq.names import DELAY_LEVELS
-from broker.rabbitmq.reading import Reading
 from broker.scheduling import due_of
 
 __all__ = ["Publishing"]
 
 
-class Publishing(Reading):
+class Publishing(Inboxes):
     """Publishes envelopes to their partition queues or topic exchange (or the delay chain)."""
 
     async def publish(self, envelopes: Sequence[Envelope], *, dedup_window_ms: int | None = None) -> list[str | None]:

@@ -70,9 +70,12 @@ class Settlement(Publishing):
         channel: Any = None,
         token: int | None = None,
     ) -> int:
-        """Acknowledge deliveries; return how many were held here (acknowledged now). ``inbox`` and
-        ``token`` change nothing (no inbox or fencing in this transport); a ``settle_write`` is
-        refused (``FAILED``: no state store), its delivery left held."""
+        """Acknowledge deliveries; return how many were held here (acknowledged now). With ``inbox``
+        their ids are recorded in the inbox's store first (a crash before the AMQP ack: the message
+        comes back and is found processed). ``token`` changes nothing (no fencing in this transport);
+        a ``settle_write`` is refused (``FAILED``: no state store), its delivery left held."""
+        if inbox:
+            await self._inbox_record(source, deliveries)
         taken: list[tuple[Delivery, Held]] = []
         held = self._held.get(source.keys.queue, {})
         for d in deliveries:
@@ -149,10 +152,12 @@ class Settlement(Publishing):
 
     async def dead_letter(self, delivery: Delivery, reason: dict[str, str], *, token: int | None = None) -> str | None:
         """Publish the message with ``reason`` to its group's DLQ (confirmed), then ack it; the dead
-        letter's id, or None when it was no longer held (nothing written)."""
+        letter's id, or None when it was no longer held (nothing written). Its inbox lease is
+        released first."""
         item = self._pending(delivery)
         if item is None:
             return None
+        await self._inbox_release(delivery)
         dead_id = new_id()
         message = message_of_fields(_pairs(delivery.raw), extra={**reason, DLQ_ID_HEADER: dead_id})
         channel = await self._channel("publish", confirms=True)
@@ -164,12 +169,14 @@ class Settlement(Publishing):
         self, delivery: Delivery, due_ms: int, *, attempt: int | None = None, token: int | None = None
     ) -> bool:
         """Publish a copy (``attempt + 1``, its first failure's time) to the group's queue at ``due_ms``
-        (through the delay chain), then ack the original. False when it was no longer held."""
+        (through the delay chain), then ack the original, its inbox lease released first. False when
+        it was no longer held."""
         if delivery.envelope is None:
             raise ValueError("an undecodable delivery cannot be retried; dead-letter it")
         item = self._pending(delivery)
         if item is None:
             return False
+        await self._inbox_release(delivery)  # first: the copy may be read (and leased) at once
         fields = _pairs(delivery.raw)
         extra: dict[str, Any] = {"fw-attempt": (attempt if attempt is not None else delivery.attempt) + 1}
         if not any(name == FIRST_FAILED_AT.encode() for name, _ in fields):

@@ -28,7 +28,7 @@ import anyio.abc
 import attrs
 
 from broker import Broker, DestinationSpec, connect, redact
-from broker.capabilities import SCHEDULING, as_introspection
+from broker.capabilities import SCHEDULING, as_inbox, as_introspection
 from framework._messages import Outgoing
 from framework.group_commit import GroupCommits
 from framework.logs import get_logger
@@ -116,6 +116,8 @@ class Runtime:
             self.lanes = LanePool(self.settings.concurrency)
             self.thread_limiter = anyio.CapacityLimiter(self.settings.concurrency)
             check_requirements(self.broker, self.services, self.settings)
+            if any(h.inbox and not h.sql_inbox for s in self.services for h in s.handlers):
+                await as_inbox(self.broker).inbox_ready()  # a store beside the transport: reachable?
             await self._check_orphan_subscriptions()
             self.consumers = []
             for service in self.services:

@@ -4,6 +4,7 @@
 (the SQL inbox: no Redis on this transport); every run, ``flaky``'s attempts (it fails every time:
 retried with backoff, then dead-lettered) and ``later``'s arrivals (a delayed command) are written
 to another SQLite file, ``RUNS_DB``, so those writes never wait for a handler's transaction.
+``billing`` has the default inbox (the Redis inbox beside RabbitMQ) and writes what it does to files.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ LATER = Queue("rabbit.later")
 CRASHY = Queue("rabbit.crashy")
 NOTED = Topic("rabbit.noted")
 TICKS = Queue("rabbit.ticks", partitions=2)
+CHARGES = Queue("rabbit.charges", partitions=2)
 
 SLEEP = float(os.environ.get("JOB_SLEEP", "0"))
 _engine = None
@@ -107,6 +109,24 @@ def tick(cmd: dict, ctx: Context) -> None:
     path = os.path.join(os.environ["RUNS_DIR"], os.environ.get("CONSUMER_NAME", "w"))
     with open(path, "a") as f:
         f.write(f"{cmd['key']} {cmd['n']}\n")
+
+
+billing = Service("billing")  # the default inbox: on RabbitMQ, the Redis inbox beside the server
+
+
+def _line(text: str) -> None:
+    """Append a line to this worker's own file in ``RUNS_DIR`` (written through at once: survives a SIGKILL)."""
+    path = os.path.join(os.environ["RUNS_DIR"], os.environ.get("CONSUMER_NAME", "w"))
+    with open(path, "a") as f:
+        f.write(text + "\n")
+
+
+@billing.command(CHARGES, key=lambda c: c["key"])
+def charge(cmd: dict, ctx: Context) -> None:
+    """Writes ``start n``, works, then writes ``end n``: its effect, which must happen once per message."""
+    _line(f"start {cmd['n']} {ctx.message_id}")
+    time.sleep(SLEEP)
+    _line(f"end {cmd['n']} {ctx.message_id}")
 
 
 everything = [shop, audit, mail]  # framework run rabbitapp:everything
