@@ -51,6 +51,7 @@ BENCHMARKS = (
     "cluster",
     "schedule",
     "saga",
+    "rabbitmq",
 )
 _NEEDS_RAW = {"commands", "events", "memory", "peer"}  # their ratios need the ceiling of the same run
 
@@ -266,6 +267,18 @@ class Runner(Report):
                 "schedule",
                 "benchmarks.schedule_bench",
                 lambda m: m.run(url, messages=s.messages // 2, repeats=self.repeats),
+            )
+        if "rabbitmq" in self.selected:  # the RabbitMQ transport (#34) next to raw aio-pika and FastStream
+            self._external(
+                "rabbitmq",
+                "benchmarks.rabbitmq_bench",
+                lambda m: {
+                    "medians": m.run(
+                        os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+                        messages=s.messages // 10,
+                        rounds=self.repeats,
+                    )
+                },
             )
         if "saga" in self.selected:  # sagas (#13): saga steps/s vs plain handlers with the inbox on
             self._external(

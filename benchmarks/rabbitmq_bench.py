@@ -195,29 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             asyncio.run(_raw_consumer(args.url, args.queue, batched=args.role == "raw-batched"))
         return 0
-    vhost, url = _vhost_url(args.url)
-    quorum = {"x-queue-type": "quorum", "x-delivery-limit": 50, "x-overflow": "reject-publish"}  # as the transport's
-    results: dict[str, list[float]] = {}
-    try:
-        for r in range(args.rounds):
-            order = ("framework", "raw", "raw-batched", "faststream")
-            order = order if r % 2 == 0 else order[::-1]
-            namespace = f"bench{r}"
-            publish = {
-                "framework": asyncio.run(_fill_framework(url, namespace, args.messages)),
-                "raw": asyncio.run(_fill_raw(url, f"raw{r}", args.messages, quorum)),
-            }
-            for other in ("faststream", "raw-batched"):
-                asyncio.run(_fill_raw(url, f"{other}{r}", args.messages, quorum))
-            for name, rate in publish.items():
-                results.setdefault(f"publish {name}", []).append(rate)
-            for role in order:
-                queue = f"{role}{r}" if role != "framework" else ""
-                rate = _consume(role, url, queue, namespace, args.messages)
-                results.setdefault(f"consume {role}", []).append(rate)
-    finally:
-        subprocess.run(["rabbitmqctl", "-q", "delete_vhost", vhost], check=False, capture_output=True)
-    med = {k: statistics.median(v) for k, v in results.items()}
+    med = run(args.url, messages=args.messages, rounds=args.rounds)
     print(f"RabbitMQ transport benchmark: {args.messages} messages, {args.rounds} rounds (medians)")
     cpu = platform.processor() or platform.machine()
     print(f"machine: {os.cpu_count()} cores, {cpu}, Python {platform.python_version()}")
@@ -228,6 +206,34 @@ def main(argv: list[str] | None = None) -> int:
             if key in med:
                 print(f"  {key:22s} {med[key]:>10,.0f} msgs/s   {med[key] / raw:6.2f} x raw")
     return 0
+
+
+def run(url: str, *, messages: int = 20_000, rounds: int = 2) -> dict[str, float]:
+    """Every contender's median msgs/s (``consume <name>``, ``publish <name>``), in a vhost of its own
+    (deleted after); what ``python -m benchmarks --only rabbitmq`` reports."""
+    vhost, url = _vhost_url(url)
+    quorum = {"x-queue-type": "quorum", "x-delivery-limit": 50, "x-overflow": "reject-publish"}  # as the transport's
+    results: dict[str, list[float]] = {}
+    try:
+        for r in range(rounds):
+            order = ("framework", "raw", "raw-batched", "faststream")
+            order = order if r % 2 == 0 else order[::-1]
+            namespace = f"bench{r}"
+            publish = {
+                "framework": asyncio.run(_fill_framework(url, namespace, messages)),
+                "raw": asyncio.run(_fill_raw(url, f"raw{r}", messages, quorum)),
+            }
+            for other in ("faststream", "raw-batched"):
+                asyncio.run(_fill_raw(url, f"{other}{r}", messages, quorum))
+            for name, rate in publish.items():
+                results.setdefault(f"publish {name}", []).append(rate)
+            for role in order:
+                queue = f"{role}{r}" if role != "framework" else ""
+                rate = _consume(role, url, queue, namespace, messages)
+                results.setdefault(f"consume {role}", []).append(rate)
+    finally:
+        subprocess.run(["rabbitmqctl", "-q", "delete_vhost", vhost], check=False, capture_output=True)
+    return {k: statistics.median(v) for k, v in results.items()}
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from benchmarks.rows import (
     _cluster_row,
     _ms,
     _ownership_row,
+    _rabbitmq_row,
     _rate,
     _saga_row,
     _saga_sql_row,
@@ -341,6 +342,11 @@ class Report(SqlRows):
             rows.append(self._external_row("sagas", sg[0], _saga_row))
             if "saga_sql" in sg[0].get("medians", {}):
                 rows.append(self._external_row("sagas", sg[0], _saga_sql_row))
+        if "rabbitmq" in self.selected:
+            if "rabbitmq" in self.errors:
+                rows.append(Row("RabbitMQ transport", f"[yellow]{self.errors['rabbitmq']}[/yellow]"))
+            elif rb := self.trials.get("rabbitmq"):
+                rows.append(_rabbitmq_row(rb[0]["medians"]))
         return rows
 
     @staticmethod

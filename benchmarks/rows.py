@@ -192,6 +192,19 @@ def _cluster_row(workers: int, o: dict[str, Any]) -> Row:
     )
 
 
+def _rabbitmq_row(m: dict[str, float]) -> Row:
+    """The RabbitMQ transport (#34): one worker's drain against raw aio-pika (acks per message) and FastStream."""
+    raw, fw, fs = m["consume raw"], m["consume framework"], m.get("consume faststream")
+    return Row(
+        "RabbitMQ: one worker drains a quorum queue (per-message handler)",
+        f"{fw:,.0f} msg/s\n[dim]publish {m['publish framework']:,.0f}/s with confirms[/dim]",
+        f"raw aio-pika {raw:,.0f} msg/s\n[dim]batched acks {m.get('consume raw-batched', 0):,.0f}[/dim]",
+        f"{fw / raw:.2f}x raw" + (f"\n{fw / fs:.1f}x FastStream" if fs else ""),
+        "≥ 0.5x raw, ahead of FastStream (#34)",
+        fw / raw >= 0.5 and (fs is None or fw > fs),
+    )
+
+
 def _table(rows: Sequence[Row], title: str) -> Table:
     table = Table(title=title, show_lines=True)
     for col, justify in (
