@@ -64,6 +64,7 @@ from benchmarks.runtime_bench import (
     _raw_client,
     _wait_done,
     _wait_settled,
+    run_producer,
 )
 from framework.testing import delete_namespace, unique_namespace
 
@@ -261,17 +262,7 @@ def _wait_reading(client: redis.Redis, namespace: str, worker: Child, timeout: f
 
 def _run_producer(url: str, namespace: str, rate: float, count: int, consumer: Child, seconds: float) -> float:
     args = ["-m", "benchmarks.faststream_bench", "produce", "--url", url, "--namespace", namespace]
-    with child("faststream-producer", [*args, "--rate", str(rate), "--count", str(count)], finishes=True) as producer:
-        deadline = time.monotonic() + seconds + 60
-        while producer.alive():
-            consumer.check()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the producer did not finish; its log ends:\n{producer.log_tail()}")
-            time.sleep(0.1)
-        if producer.proc.returncode != 0:
-            raise RuntimeError(f"the producer failed; its log ends:\n{producer.log_tail()}")
-        last = producer.log_tail(500).strip().splitlines()[-1]
-    return float(orjson.loads(last)["achieved_rate"])
+    return run_producer("faststream-producer", [*args, "--rate", str(rate), "--count", str(count)], consumer, seconds)
 
 
 def latency(

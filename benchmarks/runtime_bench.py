@@ -394,22 +394,14 @@ def _latency_summary(client: redis.Redis, namespace: str, skip: int, count: int)
 def _run_producer(
     mode: str, url: str, namespace: str, rate: float, count: int, consumer: Child, seconds: float
 ) -> float:
-    args = [
-        "-m",
-        "benchmarks.roles",
-        "produce",
-        "--mode",
-        mode,
-        "--url",
-        url,
-        "--namespace",
-        namespace,
-        "--rate",
-        str(rate),
-        "--count",
-        str(count),
-    ]
-    with child(f"producer-{mode}", args, finishes=True) as producer:
+    args = ["-m", "benchmarks.roles", "produce", "--mode", mode, "--url", url, "--namespace", namespace]
+    return run_producer(f"producer-{mode}", [*args, "--rate", str(rate), "--count", str(count)], consumer, seconds)
+
+
+def run_producer(name: str, args: Sequence[str], consumer: Child, seconds: float) -> float:
+    """Run a paced producer process to its end (checking ``consumer`` meanwhile); its achieved rate,
+    from the JSON line it prints last."""
+    with child(name, list(args), finishes=True) as producer:
         deadline = time.monotonic() + seconds + 60
         while producer.alive():
             consumer.check()
