@@ -102,6 +102,10 @@ class Intake(Reading):
         if int(reply[0]) == -1:
             raise lease_lost(source, "nothing was read")
         if int(reply[0]) == 0:
+            # Another reader took what woke the wait: wait again from here at once, as a blocked
+            # XREADGROUP would, so that readers of one partition take turns (the server serves
+            # waits in the order they began).
+            self._drained[mode_key] = (text(reply[1]), text(reply[2]))
             return []
         out = self._deliveries(source, reply[1])
         for d, status in zip(out, reply[2], strict=True):
