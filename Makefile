@@ -18,8 +18,9 @@ $(VENV)/.core: $(BIN)/python pyproject.toml
 	$(PIP) install -e .
 	@touch $@
 
+# (bench: FastStream, so the tests of the peer benchmark run too, not skip)
 $(VENV)/.all: $(BIN)/python pyproject.toml
-	$(PIP) install -e '.[dev,sql,spark,rabbitmq]'
+	$(PIP) install -e '.[dev,sql,spark,rabbitmq,bench]'
 	@touch $@ $(VENV)/.core
 
 demo: $(VENV)/.core
