@@ -66,7 +66,7 @@ class Intake(Reading):
             block_ms = min(block_ms, int(self.command_timeout * 500))
         keys = [source.stream, source.keys.redeliver, source.keys.inbox, source.keys.lease]
         fence = "" if token is None else str(token)
-        script = self.scripts["intake"]
+        sha = self.scripts["intake"].sha
 
         def intake_args() -> list[Any]:
             return [consumer, source.group, count, now_ms(), lease_ms, window_ms, fence]
@@ -75,7 +75,7 @@ class Intake(Reading):
         if drained is not None and block_ms > 0:  # the last read reached the streams' ends: wait from there
             reply: Any = [0, *drained]
         else:
-            reply = await self._intake(source, script.sha, keys, intake_args(), channel)
+            reply = await self._intake(source, keys, intake_args(), channel)
         if int(reply[0]) == 0 and block_ms > 0:
             last = [text(reply[1]), text(reply[2])]
             streams = [source.stream, source.keys.redeliver]
@@ -84,7 +84,7 @@ class Intake(Reading):
             touch = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", 1, "STREAMS", *streams, *last]
             wait = ["XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", *streams, *last]
             if channel is not None:
-                evalsha = ["EVALSHA", script.sha, len(keys), *keys, *intake_args()]
+                evalsha = ["EVALSHA", sha, len(keys), *keys, *intake_args()]
                 replies = await channel.execute_many(
                     [touch, wait, evalsha], timeout=block_ms / 1000 + self.command_timeout
                 )
@@ -92,13 +92,15 @@ class Intake(Reading):
                     if isinstance(r, Exception):
                         raise r
                 reply = replies[2]
-                if isinstance(reply, Exception):  # NOSCRIPT (it did not run) or a real error
-                    reply = await self._intake(source, script.sha, keys, intake_args(), channel, error=reply)
+                if isinstance(reply, NoScriptError):  # it did not run: load it and read again
+                    reply = await self._intake(source, keys, intake_args(), channel)
+                elif isinstance(reply, Exception):
+                    raise reply
             else:
                 await self._send_once(source, touch, None, 0)
                 if not await self._send_once(source, wait, None, block_ms):
                     return []
-                reply = await self._intake(source, script.sha, keys, intake_args(), None)
+                reply = await self._intake(source, keys, intake_args(), None)
         if int(reply[0]) == -1:
             raise lease_lost(source, "nothing was read")
         if int(reply[0]) == 0:
@@ -115,32 +117,8 @@ class Intake(Reading):
             self._drained[mode_key] = (text(reply[3]), text(reply[4]))
         return out
 
-    async def _intake(
-        self,
-        source: GroupPartition,
-        sha: str,
-        keys: list[str],
-        args: list[Any],
-        channel: Channel | None,
-        *,
-        error: BaseException | None = None,
-    ) -> Any:
-        """One intake.lua call, sent once (loaded again on NOSCRIPT, which means it did not run);
-        ``error``: the error reply of a call already sent (raised unless it is NOSCRIPT)."""
-        script = self.scripts["intake"]
-        if error is not None:
-            if not isinstance(error, NoScriptError):
-                raise error
-        else:
-            command = ["EVALSHA", sha, len(keys), *keys, *args]
-            try:
-                if channel is not None:
-                    return await channel.execute(*command)
-                return await self._send_once(source, command, None, 0)
-            except NoScriptError:
-                pass
+    async def _intake(self, source: GroupPartition, keys: list[str], args: list[Any], channel: Channel | None) -> Any:
+        """One intake.lua call, never re-sent after a timeout (loaded again on NOSCRIPT: it did not run)."""
         if channel is not None:
-            await channel.execute("SCRIPT", "LOAD", script.source)
-            return await channel.execute("EVALSHA", sha, len(keys), *keys, *args)
-        await self.redis.script_load(script.source)
-        return await self._send_once(source, ["EVALSHA", sha, len(keys), *keys, *args], None, 0)
+            return await self.scripts["intake"].on(channel, keys, args)
+        return await self._script_once(source, "intake", keys, args)

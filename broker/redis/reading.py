@@ -117,16 +117,20 @@ class Reading(RedisCore):
             return await self.redis.execute_command(*args, target_nodes=node)
         return await self.redis.execute_command(*args)
 
-    async def _owned_intake(self, source: GroupPartition, keys: list[str], args: list[Any]) -> Any:
-        """One owned_intake.lua call through the client (sent once; loaded again on NOSCRIPT, which
+    async def _script_once(self, source: GroupPartition, name: str, keys: list[str], args: list[Any]) -> Any:
+        """One call of script ``name`` through the client, sent once (loaded again on NOSCRIPT, which
         means it did not run)."""
-        script = self.scripts["owned_intake"]
+        script = self.scripts[name]
         command = ["EVALSHA", script.sha, len(keys), *keys, *args]
         try:
-            reply = await self._send_once(source, command, None, 0)
+            return await self._send_once(source, command, None, 0)
         except NoScriptError:
             await self.redis.script_load(script.source)
-            reply = await self._send_once(source, command, None, 0)
+            return await self._send_once(source, command, None, 0)
+
+    async def _owned_intake(self, source: GroupPartition, keys: list[str], args: list[Any]) -> Any:
+        """One owned_intake.lua call through the client (:meth:`_script_once`); LeaseLost when fenced out."""
+        reply = await self._script_once(source, "owned_intake", keys, args)
         if int(reply[0]) == -1:
             raise lease_lost(source, _REFUSED)
         return reply
