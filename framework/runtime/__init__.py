@@ -31,6 +31,7 @@ from broker import Broker, DestinationSpec, connect, redact
 from broker.capabilities import SCHEDULING, as_inbox, as_introspection
 from framework._messages import Outgoing
 from framework.group_commit import GroupCommits
+from framework.lifespan import Lifespan
 from framework.logs import get_logger
 from framework.middleware import Middleware
 from framework.observability import hooks
@@ -152,11 +153,16 @@ class Runtime:
             )
             engine = await self._outbox_engine()
             groups = GroupCommits(self.settings)  # ctx.sql_transaction's group commit, per engine
+            lifespan = Lifespan(self.services)
+            await lifespan.open()  # the services' resources and startup hooks, before any consumer starts
             try:
-                with groups.installed():  # the lanes inherit it
+                with groups.installed(), lifespan.installed():  # the lanes inherit them
                     await self._serve(engine, task_status)
             finally:
-                await groups.aclose()  # the lanes have stopped: connections back to the pools
+                try:
+                    await groups.aclose()  # the lanes have stopped: connections back to the pools
+                finally:
+                    await lifespan.close(self.settings.shutdown_timeout)  # drained: resources close last
             if engine is not None:
                 await engine.dispose()
         finally:
