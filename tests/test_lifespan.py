@@ -181,3 +181,51 @@ def test_hooks_are_checked_when_declared_and_an_unopened_resource_is_named() -> 
 
     with pytest.raises(LookupError, match=r"resource decl.cache is not open here"):
         RESOURCES[cache]
+
+
+_TYPED = """
+from collections.abc import AsyncIterator
+
+from framework import Context, Resource, Service
+
+svc = Service("typed")
+
+
+class Engine:
+    async def dispose(self) -> None: ...
+
+
+@svc.resource
+async def engine() -> AsyncIterator[Engine]:
+    e = Engine()
+    yield e
+    await e.dispose()
+
+
+@svc.command("typed.jobs")
+async def job(cmd: dict[str, int], ctx: Context) -> None:
+    reveal_type(ctx.resources[engine])
+
+
+declared: Resource[Engine] = engine
+wrong: Resource[str] = engine
+"""
+
+
+def test_a_resource_is_typed_by_its_declaration(tmp_path: Path) -> None:
+    (tmp_path / "typed.py").write_text(_TYPED)
+    (tmp_path / "mypy.ini").write_text("[mypy]\nstrict = True\n[mypy-framework.*,broker.*]\nfollow_imports = silent\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--no-incremental", "typed.py"],
+        cwd=tmp_path,
+        env={"MYPYPATH": str(Path(__file__).resolve().parents[1]), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = run.stdout
+    assert 'Revealed type is "typed.Engine"' in out, out
+    assert re.search(
+        r'typed.py:\d+: error: Incompatible types in assignment .*"Resource\[Engine\]".*"Resource\[str\]"', out
+    ), out
+    assert out.count("error:") == 1, out
