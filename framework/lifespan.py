@@ -135,8 +135,29 @@ class Lifespan:
         self._values: dict[Resource[Any], Any] = {}
         self._closers: list[tuple[str, Callable[[], Awaitable[Any]]]] = []  # closed in reverse
 
-    async def open(self) -> None:
-        """Run the startup side of every hook in order; on a failure close what opened and raise StartupError."""
+    async def open(self, stop: anyio.Event | None = None) -> bool:
+        """Run the startup side of every hook in order; False if ``stop`` was set meanwhile (the hook
+        running then is cancelled). On a failure or a stop, what opened is closed; a failure raises
+        :class:`StartupError`."""
+        failure: StartupError | None = None
+        async with anyio.create_task_group() as tg:
+            if stop is not None:
+                tg.start_soon(_cancel_when_set, stop, tg.cancel_scope)
+            try:
+                await self._open_all()
+            except StartupError as exc:
+                failure = exc  # raised outside the task group: not wrapped in an exception group
+            tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        if stop is not None and stop.is_set():
+            await self.close(timeout=10.0)
+            return False
+        if self._entries:
+            log.info("service resources opened", hooks=[e.label for e in self._entries])
+        return True
+
+    async def _open_all(self) -> None:
         for entry in self._entries:
             try:
                 if isinstance(entry, Resource):
@@ -147,11 +168,11 @@ class Lifespan:
                     await entry.fn()
                 else:
                     self._closers.append((entry.label, entry.fn))
-            except Exception as exc:
+            except BaseException as exc:
                 await self.close(timeout=10.0)
-                raise StartupError(entry.label, exc) from exc
-        if self._entries:
-            log.info("service resources opened", hooks=[e.label for e in self._entries])
+                if isinstance(exc, Exception):
+                    raise StartupError(entry.label, exc) from exc
+                raise
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -178,6 +199,11 @@ class Lifespan:
         if scope.cancelled_caught:
             log.warning("shutdown hooks did not finish in time", timeout=timeout, abandoned=[c[0] for c in closers])
         self._values.clear()
+
+
+async def _cancel_when_set(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
 
 
 def _exit(cm: contextlib.AbstractAsyncContextManager[Any]) -> Callable[[], Awaitable[Any]]:

@@ -229,3 +229,14 @@ def test_a_resource_is_typed_by_its_declaration(tmp_path: Path) -> None:
         r'typed.py:\d+: error: Incompatible types in assignment .*"Resource\[Engine\]".*"Resource\[str\]"', out
     ), out
     assert out.count("error:") == 1, out
+
+
+def test_sigterm_during_a_hanging_startup_hook_stops_the_worker_and_closes_what_opened(
+    workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "lifespan.log"
+    proc = workers.start("lifespanapp:hanging", "hang", LIFESPAN_LOG=str(log))
+    wait_for(lambda: any(parts[1] == "waiting" for parts in _lines(log)), 30, "the hanging startup hook")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    assert [" ".join(parts[1:]) for parts in _lines(log)] == ["open cache", "waiting", "close cache"]

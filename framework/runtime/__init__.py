@@ -154,7 +154,9 @@ class Runtime:
             engine = await self._outbox_engine()
             groups = GroupCommits(self.settings)  # ctx.sql_transaction's group commit, per engine
             lifespan = Lifespan(self.services)
-            await lifespan.open()  # the services' resources and startup hooks, before any consumer starts
+            if not await lifespan.open(self._stop):  # resources and startup hooks, before any consumer starts
+                log.info("stopped while the startup hooks ran: nothing was consumed")
+                return
             try:
                 with groups.installed(), lifespan.installed():  # the lanes inherit them
                     await self._serve(engine, task_status)

@@ -73,3 +73,24 @@ async def connect_database() -> AsyncIterator[str]:
 @broken.command("broken.jobs")
 async def never(cmd: dict) -> None:
     _write(f"consumed {cmd}")
+
+
+hanging = Service("hanging")
+
+
+@hanging.resource
+async def cache() -> AsyncIterator[dict[str, str]]:
+    _write("open cache")
+    yield {}
+    _write("close cache")
+
+
+@hanging.on_startup
+async def wait_for_the_database() -> None:
+    _write("waiting")
+    await anyio.sleep_forever()  # a database that never answers
+
+
+@hanging.command("hanging.jobs")
+async def hanging_job(cmd: dict) -> None:
+    _write(f"consumed {cmd}")
