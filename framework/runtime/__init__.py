@@ -15,6 +15,8 @@ the services' own middleware.
 Shutdown (:meth:`Runtime.stop`, SIGTERM/SIGINT from the CLI): stop fetching, let in-flight handlers
 finish within ``shutdown_timeout``, flush acks, close. Whatever is left unacknowledged stays
 pending and is delivered again (to this consumer when it restarts, or claimed by another).
+The services' resources and startup hooks (:mod:`framework.lifespan`) run before any consumer
+starts; their shutdown side runs after that drain.
 """
 
 from __future__ import annotations
