@@ -26,7 +26,8 @@ from framework.service import Service
 __all__ = ["ASYNCAPI_VERSION", "AsyncAPIError", "build_document"]
 
 ASYNCAPI_VERSION = "3.0.0"
-HEADERS_SCHEMA = "FrameworkHeaders"
+"""The AsyncAPI version of the documents :func:`build_document` makes."""
+HEADERS_SCHEMA = "FrameworkHeaders"  # components/schemas name of the envelope fields and headers
 
 
 class AsyncAPIError(ValueError):

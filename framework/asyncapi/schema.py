@@ -27,6 +27,7 @@ import attrs
 __all__ = ["SchemaBuilder", "UnsupportedType", "describe_type"]
 
 _REF = "#/components/schemas/"
+_NO = object()  # a field without a default (or with a factory)
 
 _SCALARS: dict[Any, dict[str, Any]] = {
     str: {"type": "string"},
@@ -236,24 +237,24 @@ class SchemaBuilder:
                 default = f.default
                 has_default = default is not attrs.NOTHING
                 plain = has_default and not isinstance(default, attrs.Factory)  # type: ignore[arg-type]
-                fields.append((f.name, hints.get(f.name, f.type or Any), not has_default, default if plain else None))
+                fields.append((f.name, hints.get(f.name, f.type or Any), not has_default, default if plain else _NO))
         elif dataclasses.is_dataclass(tp):
             for f in dataclasses.fields(tp):
                 if not f.init:
                     continue
                 has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-                given = f.default if f.default is not dataclasses.MISSING else None
+                given = f.default if f.default is not dataclasses.MISSING else _NO
                 fields.append((f.name, hints.get(f.name, Any), not has_default, given))
         else:
             total = getattr(tp, "__total__", True)
             for name, hint in hints.items():  # (not __required_keys__: wrong for string annotations on 3.11)
                 marker = getattr(typing.get_origin(hint), "_name", None)
-                fields.append((name, hint, marker == "Required" or (total and marker != "NotRequired"), None))
+                fields.append((name, hint, marker == "Required" or (total and marker != "NotRequired"), _NO))
         properties: dict[str, Any] = {}
         for name, hint, _, default in fields:
             prop = self.schema(_unwrap_typeddict_marker(hint), f"{where or tp.__name__}.{name}")
-            if default is not None and isinstance(default, str | int | float | bool) and "$ref" not in prop:
-                prop = {**prop, "default": default.value if isinstance(default, enum.Enum) else default}
+            if (default is None or type(default) in (str, int, float, bool)) and "$ref" not in prop:
+                prop = {**prop, "default": default}  # (a plain JSON default; factories and objects are left out)
             properties[name] = prop
         schema: dict[str, Any] = {"title": tp.__name__, "type": "object", "properties": properties}
         doc = _docstring(tp)
