@@ -159,6 +159,8 @@ def test_every_payload_shape_is_described_and_validates(shapes_doc: dict[str, An
     assert messages["json"]["payload"] == {"type": "object"} and messages["json"]["name"] == "json"
     lines = resolve(doc, doc["operations"]["shapes.lines"]["messages"][0])
     assert lines["payload"] == {"type": "array", "items": {"$ref": "#/components/schemas/Line"}}
+    anon = doc["operations"]["shapes._lambda_"]  # operation keys are valid AsyncAPI keys whatever the handler's name
+    assert anon["x-framework-handler"] == "shapes.<lambda>" and resolve(doc, anon["messages"][0])["name"] == "json"
     union = resolve(doc, doc["operations"]["shapes.union"]["messages"][0])
     assert union["payload"] == {"type": ["integer", "string"]}
 

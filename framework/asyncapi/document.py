@@ -109,7 +109,10 @@ class _Document:
             message_id = self._message(handler, tp)
             channel["messages"].setdefault(message_id, {"$ref": f"#/components/messages/{message_id}"})
             refs.append({"$ref": f"#/channels/{_pointer(dest.name)}/messages/{_pointer(message_id)}"})
-        self.operations[handler.label] = _operation(service, handler, refs)
+        operation_id, n = _key(handler.label), 2
+        while operation_id in self.operations:  # (two handlers whose names differ only in odd characters)
+            operation_id, n = f"{_key(handler.label)}_{n}", n + 1
+        self.operations[operation_id] = _operation(service, handler, refs)
 
     def _message(self, handler: Handler, tp: Any) -> str:
         """The id in ``components/messages`` of ``handler``'s payload type ``tp`` (added if new)."""
@@ -149,7 +152,7 @@ class _Document:
             elif payload in ({}, {"type": "object"}) and "x-framework-unsupported" not in message:
                 preferred = message["name"] = "json"  # any JSON, or a dict: the type a producer records for a dict
             else:
-                preferred = f"{handler.label}.payload"
+                preferred = f"{_key(handler.label)}.payload"
         return self._add_message(preferred, message)
 
     def _add_message(self, preferred: str, message: dict[str, Any]) -> str:
@@ -237,6 +240,12 @@ def _type_name(tp: Any, fallback: str) -> str:
     """The ``type`` a producer of ``tp`` records in the envelope (see framework._payloads.type_name)."""
     name = getattr(tp, "__message_type__", None)
     return name if isinstance(name, str) else getattr(tp, "__name__", fallback)
+
+
+def _key(name: str) -> str:
+    """``name`` as a key of ``operations`` or ``components`` (letters, digits, '.', '_', '-'): a
+    handler named ``<lambda>`` becomes ``_lambda_``."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
 def _pointer(name: str) -> str:

@@ -146,3 +146,6 @@ listener = Service("listener")
 @listener.event(EVENTS)
 def log_event(event: dict[str, Any]) -> None:
     """Log every event."""
+
+
+shapes.command("shapes.anon")(lambda body: None)  # a handler whose name is no identifier: <lambda>
