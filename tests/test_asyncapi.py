@@ -165,6 +165,14 @@ def test_every_payload_shape_is_described_and_validates(shapes_doc: dict[str, An
     assert union["payload"] == {"type": ["integer", "string"]}
 
 
+def test_the_command_prints_only_the_document_on_stdout() -> None:
+    out = run_cli("asyncapi", "asyncapiapp:shapes", env=ENV)  # the module print()s at import
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert_valid(doc)
+    assert doc["info"]["x-framework-services"] == ["shapes"] and "asyncapiapp: imported" in out.stderr
+
+
 def test_a_topic_with_two_subscribing_services_has_two_groups(shapes_doc: dict[str, Any]) -> None:
     doc = shapes_doc
     channel = doc["channels"]["shapes.events"]

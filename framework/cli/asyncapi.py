@@ -8,6 +8,7 @@ built from the services' declarations alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from pathlib import Path
@@ -49,7 +50,8 @@ def export(args: argparse.Namespace) -> int:
     """Build the document of ``args.targets`` and write it in the asked format."""
     from framework.asyncapi import AsyncAPIError, build_document
 
-    services = load_services(args.targets)
+    with contextlib.redirect_stdout(sys.stderr):  # a print() at import must not corrupt the document on stdout
+        services = load_services(args.targets)
     try:
         document = build_document(
             services, title=args.title, version=args.api_version, description=args.description, lenient=args.lenient

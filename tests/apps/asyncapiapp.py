@@ -25,6 +25,8 @@ EVENTS = Topic("shapes.events", partitions=4, retention=timedelta(hours=1), max_
 
 OrderId = NewType("OrderId", str)
 
+print("asyncapiapp: imported")  # output at import must not end up in the document on stdout
+
 
 class Colour(enum.Enum):
     RED = "red"
