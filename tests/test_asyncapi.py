@@ -105,7 +105,7 @@ def test_example_services_export_validates_and_names_destinations_groups_partiti
     assert doc["asyncapi"] == "3.0.0" and doc["info"]["title"] == "orders, billing"
     place, placed = doc["channels"]["orders.place"], doc["channels"]["orders.placed"]
     assert place["address"] == "orders.place" and place["x-framework-kind"] == "queue"
-    assert place["x-framework-partitions"] == 2
+    assert place["x-framework-partitions"] == 2 and place["x-framework-groups"] == ["orders"]
     assert placed["address"] == "orders.placed" and placed["x-framework-kind"] == "topic"
     assert placed["x-framework-partitions"] == 2 and placed["x-framework-retention-ms"] == 7 * 24 * 3600 * 1000
     charge = doc["operations"]["billing.charge"]
@@ -184,6 +184,7 @@ def test_a_topic_with_two_subscribing_services_has_two_groups(shapes_doc: dict[s
         if op["channel"] == {"$ref": "#/channels/shapes.events"}
     }
     assert set(receivers) == {"shapes", "listener"}
+    assert channel["x-framework-groups"] == ["shapes", "listener"]
     assert receivers["shapes"]["x-framework-start"] == "latest"
     assert receivers["listener"]["summary"] == "Log every event."
     # each operation refers to its own message of the channel; the channel holds both

@@ -96,6 +96,9 @@ class _Document:
         channel = self.channels.get(dest.name)
         if channel is None:
             channel = self.channels[dest.name] = _channel(dest)
+        groups = channel.setdefault("x-framework-groups", [])
+        if service.name not in groups:
+            groups.append(service.name)
         if job is not None:
             channel["x-framework-job"] = _job(job)
         saga = _saga_of(handler)
