@@ -12,6 +12,7 @@ import datetime as dt
 import decimal
 import json
 import os
+import pkgutil
 import re
 import sys
 import typing
@@ -121,6 +122,22 @@ def test_example_services_export_validates_and_names_destinations_groups_partiti
     headers = resolve(doc, message["headers"])["properties"]
     assert {"id", "key", "type", "correlation-id", "causation-id", "traceparent"} <= set(headers)
     assert message["correlationId"]["location"] == "$message.header#/correlation-id"
+
+
+EXAMPLES = sorted(
+    m.name for m in pkgutil.iter_modules([str(ROOT / "example_services")]) if m.name not in ("demo", "__main__")
+)
+
+
+@pytest.mark.parametrize("module", EXAMPLES)
+def test_every_example_module_with_services_exports_a_valid_document(module: str) -> None:
+    out = run_cli("asyncapi", f"example_services.{module}", env=ENV)
+    if out.returncode == 2 and "defines no Service" in out.stderr:
+        pytest.skip(f"example_services.{module} defines no Service")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert_valid(doc)
+    assert doc["operations"] and all(op["action"] == "receive" for op in doc["operations"].values())
 
 
 def test_every_payload_shape_is_described_and_validates(shapes_doc: dict[str, Any]) -> None:
