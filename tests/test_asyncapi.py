@@ -355,6 +355,28 @@ def test_pydantic_models_use_their_own_schema() -> None:
     assert_valid(doc)
 
 
+def test_a_pydantic_model_nesting_a_model_named_like_another_schema_keeps_both() -> None:
+    pydantic = pytest.importorskip("pydantic")
+
+    class Line(pydantic.BaseModel):  # the same name as tests/apps/asyncapiapp.Line (a dataclass)
+        sku: str
+        gift: bool = False
+
+    class Basket(pydantic.BaseModel):
+        lines: list[Line]
+
+    builder = SchemaBuilder()
+    builder.schema(Price)
+    builder.schema(dataclasses.make_dataclass("Line", [("sku", str), ("quantity", int)]))
+    builder.schema(Basket)
+    basket_line = builder.components["Basket"]["properties"]["lines"]["items"]["$ref"].rsplit("/", 1)[1]
+    assert basket_line != "Line" and "gift" in builder.components[basket_line]["properties"]
+    assert "quantity" in builder.components["Line"]["properties"]
+    assert_valid(
+        {"asyncapi": "3.0.0", "info": {"title": "t", "version": "1"}, "components": {"schemas": builder.components}}
+    )
+
+
 def test_a_service_with_a_pydantic_payload_exports_its_model() -> None:
     pydantic = pytest.importorskip("pydantic")
     from framework import HandlerError, Service

@@ -273,10 +273,30 @@ class SchemaBuilder:
         name = self._component_name(tp)
         self._names[tp] = name
         schema = tp.model_json_schema(ref_template=_REF + "{model}")  # type: ignore[attr-defined]
-        for def_name, definition in schema.pop("$defs", {}).items():
-            self.components.setdefault(def_name, definition)
-        self.components[name] = schema
+        definitions: dict[str, Any] = schema.pop("$defs", {})
+        renamed: dict[str, str] = {}  # a nested model whose name another schema has -> its new name
+        for def_name, definition in definitions.items():
+            target, n = def_name, 2
+            while target in self.components and self.components[target] != definition:
+                target, n = f"{def_name}_{n}", n + 1
+            renamed[def_name] = target
+        for def_name, definition in definitions.items():
+            self.components[renamed[def_name]] = _rename_refs(definition, renamed)
+        self.components[name] = _rename_refs(schema, renamed)
         return {"$ref": _REF + name}
+
+
+def _rename_refs(node: Any, renamed: dict[str, str]) -> Any:
+    """``node`` with its ``$ref``s to ``components/schemas`` following ``renamed``."""
+    if isinstance(node, dict):
+        out = {k: _rename_refs(v, renamed) for k, v in node.items()}
+        ref = out.get("$ref")
+        if isinstance(ref, str) and ref.startswith(_REF) and ref[len(_REF) :] in renamed:
+            out["$ref"] = _REF + renamed[ref[len(_REF) :]]
+        return out
+    if isinstance(node, list):
+        return [_rename_refs(v, renamed) for v in node]
+    return node
 
 
 def _unwrap_typeddict_marker(hint: Any) -> Any:
