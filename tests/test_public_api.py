@@ -99,6 +99,14 @@ PUBLIC = {
         "shards_table",
         "stage",
     },
+    "framework.asyncapi": {
+        "ASYNCAPI_VERSION",
+        "AsyncAPIError",
+        "SchemaBuilder",
+        "UnsupportedType",
+        "build_document",
+        "render_html",
+    },
     "framework.sql": {
         "DatabaseUnavailable",
         "create_engine",
