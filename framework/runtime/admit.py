@@ -39,6 +39,7 @@ class Admission:
         self.worker = worker
         self.handler = wiring.handler
         self.lanes = wiring.lanes
+        self.submit = wiring.lanes.submit  # where admitted work goes (a batch handler collects it first)
         self.scope = wiring.scope
         self.observer = wiring.observer  # None unless tracing or metrics are on
         self.debug = debug_enabled()  # a line per message received (and settled, see the settle stage)
@@ -104,7 +105,7 @@ class Admission:
             await self._dead_letter(ledger, d, reason)
         if redelivered:
             await self.sort_redeliveries(ledger, redelivered, by_lane, keyless, isolated)
-        lanes.submit(self.worker, ledger, by_lane, keyless, isolated, scope)
+        self.submit(self.worker, ledger, by_lane, keyless, isolated, scope)
 
     async def _prepare(self, ledger: Ledger, runnable: list[Delivery], channel: Any) -> None:
         """The handler's read-ahead for the batch (see ``Handler.prepare``): a failure is logged,
