@@ -243,6 +243,24 @@ async def test_a_republished_copy_is_dropped_by_the_inbox(url: str, namespace: s
     assert stats["duplicates"] == 1
 
 
+async def test_a_sync_batch_handler_runs_in_a_worker_thread(url: str, namespace: str) -> None:
+    svc = Service("ledger")
+    got: list[list[int]] = []
+
+    @svc.command("ledger.post", batch=BatchPolicy(max_size=4, max_wait=0.1))
+    def post(postings: list[Posting], ctx: BatchContext) -> None:
+        got.append([p.n for p in postings])
+        for i in range(len(ctx)):
+            ctx[i].publish("ledger.posted", {"n": postings[i].n})
+
+    async with ServiceHarness([svc], url=url, namespace=namespace) as h:
+        await h.client.send_many("ledger.post", [Posting("a", n) for n in range(6)])
+        await h.run_until_idle()
+        posted = await h.messages("ledger.posted")
+    assert got == [[0, 1, 2, 3], [4, 5]]
+    assert len(posted) == 6
+
+
 def test_a_batch_handler_must_take_a_list() -> None:
     svc = Service("ledger")
     with pytest.raises(HandlerError, match=r"annotate its first parameter as list\[YourPayload\], not 'Posting'"):

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections.abc import Set
 from pathlib import Path
 
 import anyio
 import pytest
 import redis
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from framework import BatchContext, BatchFailed, BatchPolicy, Queue, RetryPolicy, Service, SyncClient, outbox
 from framework.testing import ServiceHarness
@@ -57,14 +59,13 @@ async def _counts(url: str, group: str = "ledger") -> tuple[int, int, int, int, 
     return int(total), int(rows[0]), int(rows[1]), int(staged), int(inbox)
 
 
-async def _apply(conn: object, ctx: BatchContext, items: list[dict], skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+async def _apply(conn: AsyncConnection, ctx: BatchContext, items: list[dict], skip: Set[int] = frozenset()) -> None:
+    """Each item's row and outgoing event (unless skipped), and the counter, in the batch's transaction."""
     applied = [(i, item) for i, item in enumerate(items) if i not in skip]
     for i, item in applied:
-        await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": item["n"]})  # type: ignore[attr-defined]
+        await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": item["n"]})
         ctx[i].publish("ledger.posted", {"n": item["n"]})
-    await conn.execute(  # type: ignore[attr-defined]
-        text("UPDATE counters SET value = value + :k WHERE name = 'total'"), {"k": len(applied)}
-    )
+    await conn.execute(text("UPDATE counters SET value = value + :k WHERE name = 'total'"), {"k": len(applied)})
 
 
 @pytest.mark.anyio
@@ -129,6 +130,8 @@ async def test_batch_failed_inside_the_block_commits_the_others_and_dead_letters
     assert json.loads(dead.body) == {"n": "2"} and dead.error_message == "posting 2 is poison"
 
 
+@pytest.mark.fault
+@pytest.mark.slow
 def test_workers_killed_mid_batch_lose_nothing_and_apply_nothing_twice(
     worker_env: dict[str, str], tmp_path: Path, pg_url: str, redis_url: str, namespace: str
 ) -> None:

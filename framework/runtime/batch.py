@@ -171,7 +171,11 @@ class BatchConsumer(Consumer):
         works: list[Work] = batch.works[batch.next]
         batch.next = len(batch.works)
         started = time.perf_counter()
+        lease = ledger.lease
         try:
+            if lease is not None and not lease.usable(time.monotonic()):  # lost or handed back: start nothing
+                ledger.forget(d for d, _ in works)
+                return
             await self.runner.run(ledger, works, suspect=batch.suspect)
         finally:
             self.stats.handler_seconds += time.perf_counter() - started
