@@ -6,10 +6,15 @@ Every test runs on the embedded Valkey and on ``memory://`` (the ``url`` fixture
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import attrs
@@ -28,6 +33,7 @@ from framework.testing import ServiceHarness
 
 pytestmark = pytest.mark.anyio
 
+DOC = Path(__file__).resolve().parents[1] / "docs" / "batch-handlers.md"
 QUICK = RetryPolicy(max_attempts=2, immediate=1, backoff=0.01, jitter=False)
 
 
@@ -259,6 +265,16 @@ async def test_a_sync_batch_handler_runs_in_a_worker_thread(url: str, namespace:
         posted = await h.messages("ledger.posted")
     assert got == [[0, 1, 2, 3], [4, 5]]
     assert len(posted) == 6
+
+
+def test_the_example_of_the_batch_handlers_guide_runs_as_written(tmp_path: Path) -> None:
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S) if "memory://" in b]
+    (tmp_path / "example.py").write_text(block)
+    env = {**os.environ, "PYTHONPATH": str(DOC.parents[1])}  # this checkout's framework
+    run = subprocess.run(
+        [sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 def test_a_batch_handler_must_take_a_list() -> None:
