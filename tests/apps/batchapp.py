@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from framework import BatchContext, BatchPolicy, Queue, Service
+from framework import BatchContext, BatchPolicy, Queue, RetryPolicy, Service
 
 SLEEP = float(os.environ.get("BATCH_SLEEP", "0"))
 
@@ -39,3 +39,21 @@ async def post(items: list[dict], ctx: BatchContext) -> None:
         if SLEEP:
             await anyio.sleep(SLEEP)  # a window for kills to land inside the transaction
         await conn.execute(text("UPDATE counters SET value = value + :k WHERE name = 'total'"), {"k": len(items)})
+
+
+crashy = Service("crashy", retry=RetryPolicy(max_attempts=3, immediate=0, backoff=0.05))
+
+
+@crashy.command(Queue("crashy.jobs"), batch=BatchPolicy(max_size=50, max_wait=0.05))
+def jobs(items: list[dict]) -> None:
+    """Records each job of the batch; a batch holding the job named 'crash' kills its process first."""
+    import redis
+
+    r = redis.Redis.from_url(os.environ["REDIS_URL"])
+    ns = os.environ["FRAMEWORK_NAMESPACE"]
+    if any(item["n"] == "crash" for item in items):
+        r.hincrby(f"{ns}:test:crashes", "crash", 1)
+        os._exit(17)
+    for item in items:
+        r.hincrby(f"{ns}:test:done", item["n"], 1)
+    r.close()
