@@ -91,7 +91,10 @@ class BatchConsumer(Consumer):
         isolated: Iterable[tuple[Work, bool, Hashable]] = (),
         scope: int = 0,
     ) -> None:
-        """Admitted work (the admit stage's ``submit``): kept in arrival order until it forms a batch."""
+        """Admitted work (the admit stage's ``submit``): kept in arrival order until it forms a batch.
+
+        Each key's works arrive in order (the admit stage keeps it per lane, and isolates suspects
+        with the later works of their keys), so appending lane by lane keeps every key's order."""
         part = self._parts.get(id(view))
         if part is None:  # the partition's tenure is over: its work stays pending
             view.forget([d for works in by_lane.values() for d, _ in works])
@@ -103,7 +106,6 @@ class BatchConsumer(Consumer):
         arrived += [(w, suspect) for w, suspect, _ in isolated]
         if not arrived:
             return
-        arrived.sort(key=lambda item: _order(item[0][0]))  # the partition's order (by_lane split it by key)
         if not part.pending:
             part.first_at = time.monotonic()
         part.pending.extend(arrived)
@@ -188,11 +190,3 @@ class BatchConsumer(Consumer):
     def abandon(self, ledger: Ledger, works: Sequence[Any]) -> None:
         """Forget batches after an internal error; their messages stay pending and are redelivered."""
         ledger.forget(d for batch in works for d, _ in batch)
-
-
-def _order(d: Any) -> tuple[int, ...]:
-    """A delivery's place in its partition (stream entry ids ``ms-seq``; others keep arrival order)."""
-    try:
-        return tuple(int(part) for part in str(d.entry_id).split("-"))
-    except ValueError:
-        return (0,)
