@@ -301,3 +301,39 @@ def test_a_batch_handler_must_take_a_list() -> None:
 async def test_on_rabbitmq_batch_failed_settles_each_message_and_key_order_holds(rabbit_url: str) -> None:
     await test_batch_failed_retries_and_dead_letters_only_the_named_messages(rabbit_url, f"rb-{uuid.uuid4().hex[:8]}")
     await test_key_order_holds_across_batches_of_a_partition(rabbit_url, f"rb-{uuid.uuid4().hex[:8]}")
+
+
+async def test_on_memory_and_sqlite_a_retried_batch_finds_its_committed_messages_and_applies_nothing_twice(
+    tmp_path: Path,
+) -> None:
+    from sqlalchemy import text
+
+    from framework import outbox
+
+    engine = outbox.create_engine(f"sqlite:///{tmp_path / 'ledger.db'}")
+    await outbox.create_tables(engine)
+    async with engine.begin() as conn:
+        await conn.execute(text("CREATE TABLE applied (n integer NOT NULL)"))
+    svc = Service("ledger", retry=RetryPolicy(max_attempts=3, immediate=2), inbox="sql")
+    runs: list[int] = []
+
+    @svc.command("ledger.post", batch=BatchPolicy(max_size=5, max_wait=0.1))
+    async def post(postings: list[Posting], ctx: BatchContext) -> None:
+        runs.append(len(postings))
+        async with ctx.sql_transaction(engine) as conn:
+            await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), [{"n": p.n} for p in postings])
+        if len(runs) == 1:
+            raise RuntimeError("failed after the commit: the retry must find every message processed")
+
+    try:
+        async with ServiceHarness([svc], url=f"memory://batch-{uuid.uuid4().hex}") as h:
+            await h.client.send_many("ledger.post", [Posting("a", n) for n in range(5)])
+            await h.run_until_idle()
+            stats = h.stats()["ledger.post"]
+        async with engine.connect() as conn:
+            applied = (await conn.execute(text("SELECT n FROM applied ORDER BY n"))).scalars().all()
+            inbox = (await conn.execute(text("SELECT count(*) FROM framework_inbox"))).scalar_one()
+    finally:
+        await engine.dispose()
+    assert applied == [0, 1, 2, 3, 4] and inbox == 5
+    assert runs == [5, 5] and stats["duplicates"] == 5 and stats["failed"] == 5
