@@ -298,6 +298,22 @@ def test_a_batch_handler_must_take_a_list() -> None:
         BatchPolicy(max_wait=-1)
 
 
+@pytest.mark.parametrize(
+    ("failures", "reason"),
+    [
+        ({"0": ValueError()}, "BatchFailed index '0' is not an int"),
+        ({-1: ValueError()}, "BatchFailed index -1 is outside the batch of 3 messages"),
+        ({1: "bad"}, "BatchFailed\\[1\\] is 'bad', not an exception"),
+        ({}, "BatchFailed names no failed message"),
+    ],
+)
+def test_a_batch_failed_that_names_no_message_of_the_batch_says_why(failures: dict, reason: str) -> None:
+    from framework.batching import checked_failures
+
+    with pytest.raises(ValueError, match=reason):
+        checked_failures(BatchFailed(failures), 3)
+
+
 async def test_on_rabbitmq_batch_failed_settles_each_message_and_key_order_holds(rabbit_url: str) -> None:
     await test_batch_failed_retries_and_dead_letters_only_the_named_messages(rabbit_url, f"rb-{uuid.uuid4().hex[:8]}")
     await test_key_order_holds_across_batches_of_a_partition(rabbit_url, f"rb-{uuid.uuid4().hex[:8]}")
