@@ -353,3 +353,22 @@ async def test_on_memory_and_sqlite_a_retried_batch_finds_its_committed_messages
         await engine.dispose()
     assert applied == [0, 1, 2, 3, 4] and inbox == 5
     assert runs == [5, 5] and stats["duplicates"] == 5 and stats["failed"] == 5
+
+
+async def test_per_message_redis_writes_commit_with_their_own_ack(redis_url: str, namespace: str) -> None:
+    svc = Service("ledger", retry=RetryPolicy(max_attempts=1))
+    key = f"{namespace}:test:balances"
+
+    @svc.command("ledger.post", batch=BatchPolicy(max_size=4, max_wait=0.1))
+    async def post(postings: list[Posting], ctx: BatchContext) -> None:
+        for i, p in enumerate(postings):
+            ctx[i].redis_transaction().hincrby(key, p.account, p.n)
+        raise BatchFailed({i: ValueError("refused") for i, p in enumerate(postings) if p.account == "b"})
+
+    async with ServiceHarness([svc], url=redis_url, namespace=namespace) as h:
+        await h.client.send_many("ledger.post", [Posting("a", 1), Posting("b", 10), Posting("a", 2)])
+        await h.run_until_idle()
+        balances = await h.broker.redis.hgetall(key)  # type: ignore[attr-defined]
+        stats = h.stats()["ledger.post"]
+    assert {k.decode(): int(v) for k, v in balances.items()} == {"a": 3}  # b's write went with its failure
+    assert stats["processed"] == 2 and stats["dead_lettered"] == 1
