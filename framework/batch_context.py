@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from framework.batching import BatchFailed, checked_failures
 from framework.context import Context
 from framework.handlers import Handler, HandlerError
+from framework.lifespan import RESOURCES, Resources
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -71,6 +72,11 @@ class BatchContext:
     def destination(self) -> str:
         """The queue or topic the batch came from."""
         return self._handler.destination.name
+
+    @property
+    def resources(self) -> Resources:
+        """The services' resources open in this process: ``ctx.resources[db]`` (see :mod:`framework.lifespan`)."""
+        return RESOURCES
 
     @property
     def partition(self) -> int:

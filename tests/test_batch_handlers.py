@@ -13,7 +13,7 @@ import sys
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -372,3 +372,21 @@ async def test_per_message_redis_writes_commit_with_their_own_ack(redis_url: str
         stats = h.stats()["ledger.post"]
     assert {k.decode(): int(v) for k, v in balances.items()} == {"a": 3}  # b's write went with its failure
     assert stats["processed"] == 2 and stats["dead_lettered"] == 1
+
+
+async def test_a_batch_handler_reads_the_services_resources(namespace: str) -> None:
+    svc = Service("ledger")
+    seen: list[tuple[str, int]] = []
+
+    @svc.resource
+    async def books() -> AsyncIterator[str]:
+        yield "the books"
+
+    @svc.command("ledger.post", batch=BatchPolicy(max_size=2, max_wait=0.1))
+    async def post(postings: list[Posting], ctx: BatchContext) -> None:
+        seen.append((ctx.resources[books], len(postings)))
+
+    async with ServiceHarness([svc], url=f"memory://batch-{uuid.uuid4().hex}", namespace=namespace) as h:
+        await h.client.send_many("ledger.post", [Posting("a", n) for n in range(2)])
+        await h.run_until_idle()
+    assert seen == [("the books", 2)]
