@@ -29,7 +29,7 @@ import attrs
 import orjson
 from rich.console import Console
 
-from benchmarks import faststream_bench, machine, procs, runtime_bench, tracing_bench
+from benchmarks import batch_bench, faststream_bench, machine, procs, runtime_bench, tracing_bench
 from benchmarks.report import Report
 from benchmarks.rows import SQL_FRAMEWORK_KINDS, SQL_WORK_MS, SQL_WORKERS, _sql_key, _table
 
@@ -38,6 +38,7 @@ __all__ = ["BENCHMARKS", "Sizes", "main"]
 BENCHMARKS = (
     "raw",
     "commands",
+    "batch",
     "events",
     "latency",
     "peer",
@@ -53,7 +54,7 @@ BENCHMARKS = (
     "saga",
     "rabbitmq",
 )
-_NEEDS_RAW = {"commands", "events", "memory", "peer"}  # their ratios need the ceiling of the same run
+_NEEDS_RAW = {"commands", "events", "memory", "peer", "batch"}  # their ratios need the ceiling of the same run
 
 
 @attrs.frozen
@@ -208,6 +209,9 @@ class Runner(Report):
                         lambda inbox=inbox: runtime_bench.commands(url, s.messages, inbox=inbox, progress=p),
                         r,
                     )
+            if "batch" in self.selected:  # batch handlers (#35), next to the commands drain of this round
+                for key, call in batch_bench.trials(url, s.messages, progress=p):
+                    self._trial(key, call, r)
             if "events" in self.selected:
                 self._trial("events:3", lambda: runtime_bench.events(url, s.messages, progress=p), r)
             if "latency" in self.selected:
@@ -379,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     selected = list(args.only or BENCHMARKS)
     if _NEEDS_RAW & set(selected) and "raw" not in selected:
         selected.insert(0, "raw")
+    if "batch" in selected and "commands" not in selected:  # its row is next to the per-message handler's
+        selected.insert(selected.index("batch"), "commands")
     signal.signal(signal.SIGTERM, _on_sigterm)
     started = time.time()
     try:

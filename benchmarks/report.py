@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import faststream_bench, tracing_bench
+from benchmarks import batch_bench, faststream_bench, tracing_bench
 from benchmarks.rows import (
     SQL_FRAMEWORK_KINDS,
     SQL_WORK_MS,
@@ -139,6 +139,7 @@ class Report(SqlRows):
             out["latency_inbox_p50_added_ms"] = {"paired": stats(added)}
         out.update(tracing_bench.summary(self.trials))
         out.update(faststream_bench.summary(self.trials))
+        out.update(batch_bench.summary(self.trials))
         return out
 
     def rows(self) -> list[Row]:
@@ -261,6 +262,8 @@ class Report(SqlRows):
                         ok=added["median"] <= LATENCY_P50_INBOX_MS,
                     )
                 )
+        if "batch" in self.selected:
+            rows += [Row(**row) for row in batch_bench.rows(sm, self.errors)]
         if "peer" in self.selected:
             rows += [Row(**row) for row in faststream_bench.rows(sm, self.errors, self.sizes.latency_rate)]
         if "observability" in self.selected:

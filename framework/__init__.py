@@ -33,6 +33,8 @@ passed in, typed by a small Protocol of its own (``_sql_block.SqlRun`` for the c
 
 from broker import BrokerUnavailable, ConfigurationError, Envelope, MessageTooLarge
 from framework._payloads import PayloadError, converter
+from framework.batch_context import BatchContext
+from framework.batching import BatchAborted, BatchFailed, BatchPolicy
 from framework.client import Batch, Client, SyncClient
 from framework.context import Context
 from framework.lifespan import Resource, StartupError
@@ -54,6 +56,11 @@ __all__ = [
     # lifespan: resources opened once per worker process (svc.resource, ctx.resources[r]), hooks
     "Resource",
     "StartupError",
+    # batch handlers: a list of messages per call, settled per message
+    "BatchPolicy",
+    "BatchFailed",
+    "BatchAborted",
+    "BatchContext",
     # process managers: state per correlation id, one message per saga at a time
     "Saga",
     "SagaContext",

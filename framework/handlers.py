@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from broker import COMMAND, DEFAULT_RETENTION_MS, EVENT, DestinationSpec, Start
+from framework.batching import BatchPolicy
 from framework.retries import RetryPolicy
 
 if TYPE_CHECKING:
@@ -98,6 +99,7 @@ class Handler:
     # Optional transport capabilities the handler needs (name -> why, for the error at start when
     # its transport lacks one: see framework.runtime.requirements).
     needs: dict[str, str] = attrs.field(factory=dict)
+    batch: BatchPolicy | None = None  # a batch handler: it takes a list of payloads (framework.runtime.batch)
 
     @property
     def spec(self) -> DestinationSpec:

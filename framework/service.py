@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from broker import Start, validate_name
 from framework._payloads import decoder_for
+from framework.batching import BatchPolicy, batch_element_type
 from framework.handlers import DEFAULT_TIMEOUT, Handler, HandlerError, Queue, Topic, _inspect
 from framework.lifespan import LifespanEntry, Resource, declare
 from framework.retries import DEFAULT_RETRY, RetryPolicy
@@ -134,15 +135,17 @@ class Service:
         key: Callable[[Any], str] | None = None,
         inbox: _InboxMode | None = None,
         timeout: timedelta | float | None = None,
+        batch: BatchPolicy | None = None,
     ) -> Callable[[F], F]:
         """Declare the handler of the commands sent to ``queue``.
 
         ``retry``, ``inbox`` and ``timeout`` default to the service's (``timeout=math.inf``: no limit).
+        ``batch``: the handler takes a ``list`` of payloads (see :class:`~framework.batching.BatchPolicy`).
         """
         dest = queue if isinstance(queue, Queue) else Queue(queue)
         if isinstance(queue, Topic):
             raise HandlerError(f"{self.name}: {queue.name!r} is a Topic; use @service.event for topics")
-        return self._register(dest, retry, key, "earliest", inbox, timeout)
+        return self._register(dest, retry, key, "earliest", inbox, timeout, batch=batch)
 
     def event(
         self,
@@ -153,6 +156,7 @@ class Service:
         start: Start = "earliest",
         inbox: _InboxMode | None = None,
         timeout: timedelta | float | None = None,
+        batch: BatchPolicy | None = None,
     ) -> Callable[[F], F]:
         """Declare a handler of the events published to ``topic``.
 
@@ -160,13 +164,14 @@ class Service:
         with one key run one at a time, in order. ``start`` applies when this service first
         subscribes: ``earliest`` processes the topic's retained history, ``latest`` only new events.
         ``retry``, ``inbox`` and ``timeout`` default to the service's (``timeout=math.inf``: no limit).
+        ``batch``: the handler takes a ``list`` of payloads (see :class:`~framework.batching.BatchPolicy`).
         """
         if isinstance(topic, Queue):
             raise HandlerError(f"{self.name}: {topic.name!r} is a Queue; use @service.command for queues")
         if start not in ("earliest", "latest"):
             raise HandlerError(f"{self.name}: start must be 'earliest' or 'latest', not {start!r}")
         dest = topic if isinstance(topic, Topic) else Topic(topic)
-        return self._register(dest, retry, key, start, inbox, timeout)
+        return self._register(dest, retry, key, start, inbox, timeout, batch=batch)
 
     def every(
         self,
@@ -250,7 +255,10 @@ class Service:
         timeout: timedelta | float | None,
         prepare: Callable[[Broker, list[Delivery], int | None, Any], Awaitable[None]] | None = None,
         needs: dict[str, str] | None = None,
+        batch: BatchPolicy | None = None,
     ) -> Callable[[F], F]:
+        if batch is not None and not isinstance(batch, BatchPolicy):
+            raise HandlerError(f"{self.name}: batch= takes a BatchPolicy(max_size=..., max_wait=...), not {batch!r}")
         try:
             dest.spec()
         except Exception as exc:
@@ -271,7 +279,7 @@ class Service:
             is_async, takes_ctx, payload_type = _inspect(fn, where)
             mode = self.inbox if inbox is None else _inbox_mode(inbox, where)
             try:
-                decode = decoder_for(payload_type)
+                decode = decoder_for(payload_type if batch is None else batch_element_type(payload_type))
             except TypeError as exc:
                 raise HandlerError(f"{where}: {exc}") from None
             self.handlers.append(
@@ -292,6 +300,7 @@ class Service:
                     timeout=seconds,
                     prepare=prepare,
                     needs=dict(needs or {}),
+                    batch=batch,
                 )
             )
             return fn

@@ -37,6 +37,7 @@ from framework.lifespan import Lifespan
 from framework.logs import get_logger
 from framework.middleware import Middleware
 from framework.observability import hooks
+from framework.runtime.batch import consumer_for
 from framework.runtime.consumer import Consumer
 from framework.runtime.identity import ConsumerIdentity
 from framework.runtime.lanes import LanePool
@@ -142,7 +143,7 @@ class Runtime:
                         thread_limiter=self.thread_limiter,
                         observer=observer,
                     )
-                    self.consumers.append(Consumer(wiring, views))
+                    self.consumers.append(consumer_for(wiring, views))
             log.info(
                 "runtime started",
                 services=[s.name for s in self.services],

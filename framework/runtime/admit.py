@@ -10,6 +10,7 @@ through the crash-loop rule (:meth:`Admission.sort_redeliveries`), isolating sus
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from broker import Delivery
@@ -39,6 +40,7 @@ class Admission:
         self.worker = worker
         self.handler = wiring.handler
         self.lanes = wiring.lanes
+        self.submit: Callable[..., None] | None = None  # where admitted work goes if not to the lanes (batches)
         self.scope = wiring.scope
         self.observer = wiring.observer  # None unless tracing or metrics are on
         self.debug = debug_enabled()  # a line per message received (and settled, see the settle stage)
@@ -104,7 +106,7 @@ class Admission:
             await self._dead_letter(ledger, d, reason)
         if redelivered:
             await self.sort_redeliveries(ledger, redelivered, by_lane, keyless, isolated)
-        lanes.submit(self.worker, ledger, by_lane, keyless, isolated, scope)
+        (self.submit or lanes.submit)(self.worker, ledger, by_lane, keyless, isolated, scope)
 
     async def _prepare(self, ledger: Ledger, runnable: list[Delivery], channel: Any) -> None:
         """The handler's read-ahead for the batch (see ``Handler.prepare``): a failure is logged,
