@@ -15,6 +15,7 @@ again (consumers' inboxes drop the copy).
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Sequence
 
 import aio_pika
@@ -22,7 +23,7 @@ import aio_pika.abc
 
 from broker.codec import check_body_size
 from broker.envelope import Envelope, now_ms
-from broker.errors import BrokerError
+from broker.errors import BrokerError, MessageTooLarge
 from broker.headers import IDEMPOTENCY_KEY
 from broker.rabbitmq.core import to_message
 from broker.rabbitmq.inbox import Inboxes
@@ -32,6 +33,9 @@ from broker.scheduling import due_of
 from broker.topology import DestinationSpec
 
 __all__ = ["Publishing"]
+
+_SERVER_LIMIT = re.compile(r"message size (\d+) is larger than configured max size (\d+)")
+"""The server's refusal of a message over its ``max_message_size`` (the channel is closed with it)."""
 
 
 class Publishing(Inboxes):
@@ -124,4 +128,8 @@ class Publishing(Inboxes):
                     "may not be stored: send it again (consumers' inboxes drop a copy)"
                 ) from result
             if isinstance(result, BaseException):
+                too_large = _SERVER_LIMIT.search(str(result))
+                if too_large is not None:
+                    size, limit = int(too_large[1]), int(too_large[2])
+                    raise MessageTooLarge(key, size, limit, server="RabbitMQ") from result
                 raise result
