@@ -88,11 +88,23 @@ def test_three_workers_survive_a_sigkill_lose_nothing_and_all_drain_on_sigterm(
     with SyncClient(redis_url, namespace=namespace) as client:
         client.send_many(JOBS, [{"n": str(i)} for i in range(total)], key=lambda c: c["n"])
     health = free_port(4)
-    opts = ("--workers", "3", "--lease-ttl", "2", "--prefetch", "20", "--concurrency", "4", "--health-port", str(health))
+    opts = (
+        "--workers",
+        "3",
+        "--lease-ttl",
+        "2",
+        "--prefetch",
+        "20",
+        "--concurrency",
+        "4",
+        "--health-port",
+        str(health),
+    )
     sup = workers.start("faultapp:worker", "w", *opts, JOB_SLEEP="0.004")
     wait_for(lambda: len(events(workers.log("w"), "runtime started")) == 3, 60, "three workers to start")
     wait_for(lambda: get(health, "/readyz")[0] == 200, 30, "the supervisor's /readyz to say ready")
     status, body = get(health, "/readyz")
+    assert status == 200
     assert [w["worker"] for w in body["workers"]] == [0, 1, 2] and all(w["running"] for w in body["workers"])
     wait_for(lambda: r.hlen(f"{namespace}:test:done") > 100, 60, "some jobs to be processed")
     started = {e["worker"]: e["pid"] for e in events(workers.log("w"), "worker started")}
@@ -103,7 +115,9 @@ def test_three_workers_survive_a_sigkill_lose_nothing_and_all_drain_on_sigterm(
         30,
         "worker 1 to be started again",
     )
-    assert any(e["pid"] == victim and e["status"] == -9 for e in events(workers.log("w"), "worker exited; restarting it"))
+    assert any(
+        e["pid"] == victim and e["status"] == -9 for e in events(workers.log("w"), "worker exited; restarting it")
+    )
     wait_for(lambda: r.hlen(f"{namespace}:test:done") == total, 120, "every job to be processed")
     assert r.hlen(f"{namespace}:test:done") == total  # none lost
     pids = [e["pid"] for e in events(workers.log("w"), "worker started")]

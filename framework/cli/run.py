@@ -112,9 +112,7 @@ def run_services(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda n, _frame: early.append(n))
     services = load_services(args.targets)
     failed = _start_observability(args, services[0].name)
-    health = _health_socket(args) if failed is None else None
-    if isinstance(health, str):
-        failed = health
+    health, failed = _health_socket(args) if failed is None else (None, failed)
     if failed is not None:
         print(f"framework run: {failed}", file=sys.stderr)
         return 1
@@ -196,17 +194,17 @@ def _start_observability(args: argparse.Namespace, service_name: str) -> str | N
     return None
 
 
-def _health_socket(args: argparse.Namespace) -> socket.socket | str | None:
-    """The bound ``--health-port`` socket, None without one, or the one-line error."""
+def _health_socket(args: argparse.Namespace) -> tuple[socket.socket | None, str | None]:
+    """(the bound ``--health-port`` socket or None without one, the one-line error or None)."""
     if args.health_port is None:
-        return None
+        return None, None
     from framework.health import bind_error, listen
 
     host = args.health_host or "127.0.0.1"
     try:
-        return listen(host, args.health_port)
+        return listen(host, args.health_port), None
     except OSError as exc:
-        return bind_error(exc, host, args.health_port)
+        return None, bind_error(exc, host, args.health_port)
 
 
 def _abandon_running_threads(log: Any) -> None:

@@ -69,9 +69,7 @@ def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> li
         if value == action.default:
             continue
         flag = max(action.option_strings, key=len)
-        if isinstance(action, argparse._StoreTrueAction):
-            out.append(flag)
-        elif action.nargs == "?" and value == action.const:
+        if isinstance(action, argparse._StoreTrueAction) or (action.nargs == "?" and value == action.const):
             out.append(flag)
         else:
             out += [flag, str(value)]
@@ -297,4 +295,3 @@ async def watch_supervisor(runtime: Any) -> None:
         await anyio.sleep(1.0)
     log.warning("the supervisor is gone: shutting down", supervisor=int(pid))
     runtime.stop()
-

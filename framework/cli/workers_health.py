@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import http.client
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 
 from framework.health import listen
 
-if TYPE_CHECKING:
-    from framework.cli.workers import Supervisor
-
-__all__ = ["AggregateHealth"]
+__all__ = ["AggregateHealth", "Workers"]
 
 WORKER_TIMEOUT = 2.0
 """Seconds a worker gets to answer the supervisor's health request."""
@@ -53,10 +51,29 @@ def ask(port: int, path: str, timeout: float = WORKER_TIMEOUT) -> tuple[int | No
         conn.close()
 
 
+class Workers(Protocol):
+    """What the aggregate needs of the supervisor (:class:`framework.cli.workers.Supervisor`)."""
+
+    @property
+    def count(self) -> int:
+        """How many workers."""
+
+    @property
+    def stopping(self) -> bool:
+        """Whether they are being stopped."""
+
+    @property
+    def slots(self) -> Sequence[Any]:
+        """The workers (:class:`framework.cli.workers.WorkerSlot`: ``.index``, ``.describe()``)."""
+
+    def worker_health_port(self, index: int) -> int:
+        """The port worker ``index`` serves its own health on."""
+
+
 class AggregateHealth:
     """Serves the supervisor's health port on a daemon thread until :meth:`close`."""
 
-    def __init__(self, supervisor: Supervisor, host: str, port: int) -> None:
+    def __init__(self, supervisor: Workers, host: str, port: int) -> None:
         self.supervisor = supervisor
         sock = listen(host, port)  # OSError: the caller says it in one line (framework.health.bind_error)
         sock.setblocking(True)
@@ -112,7 +129,7 @@ class AggregateHealth:
 
 def _handler(health: AggregateHealth) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+        def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path in ("/livez", "/readyz"):
                 status, body = health.answer(path)
@@ -126,7 +143,7 @@ def _handler(health: AggregateHealth) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(raw)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        def log_message(self, format: str, *args: Any) -> None:
             """Probes are not logged."""
 
     return Handler

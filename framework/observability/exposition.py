@@ -29,7 +29,7 @@ class _Server6(_Server):
 
 
 class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not logged (one line per scrape would drown the worker's logs)."""
 
 
