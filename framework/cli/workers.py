@@ -204,9 +204,10 @@ class Supervisor:
         """Restart every worker gracefully because ``changed`` changed."""
         log.info("file changed: restarting the workers", file=changed)
         for slot in self.slots:
+            draining = slot.restart_now and slot.running  # signalled already: a second signal would force it
             slot.restart_now = True
             slot.failures, slot.backoff, slot.next_start = 0, INITIAL_BACKOFF, 0.0
-            if slot.running and slot.proc is not None:
+            if slot.running and slot.proc is not None and not draining:
                 slot.proc.send_signal(signal.SIGTERM)
 
     def step(self) -> bool:
