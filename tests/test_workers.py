@@ -264,3 +264,18 @@ def test_reload_restarts_the_worker_when_a_python_file_changes(worker_env: dict[
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_livez_fails_while_a_workers_event_loop_is_blocked(workers: Workers, redis_url: str, namespace: str) -> None:
+    health = free_port(3)
+    workers.start("workersapp:stuck", "s", "--workers", "2", "--health-port", str(health))
+    wait_for(lambda: get(health, "/readyz")[0] == 200, 60, "both workers to be ready")
+    assert get(health, "/livez")[0] == 200
+    with SyncClient(redis_url, namespace=namespace) as client:
+        client.send("stuck.jobs", {"seconds": 6})
+    wait_for(lambda: get(health, "/livez")[0] == 503, 10, "/livez to notice the blocked event loop")
+    status, body = get(health, "/livez")
+    assert status == 503
+    stuck = [w for w in body["workers"] if not w["ok"]]
+    assert len(stuck) == 1 and stuck[0]["reason"] == "its event loop did not answer", body
+    wait_for(lambda: get(health, "/livez")[0] == 200, 20, "/livez to recover once the loop runs again")

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 from framework import Service
 
 broken = Service("broken")  # no handlers: the runtime refuses to start it (exit status 1)
+
+
+stuck = Service("stuck")
+
+
+@stuck.command("stuck.jobs")
+async def block(cmd: dict) -> None:
+    """Blocks the worker's event loop (a sync sleep in an async handler) for ``cmd["seconds"]``."""
+    time.sleep(cmd["seconds"])  # noqa: ASYNC251 - blocking the loop is the point
