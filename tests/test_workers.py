@@ -279,3 +279,19 @@ def test_livez_fails_while_a_workers_event_loop_is_blocked(workers: Workers, red
     stuck = [w for w in body["workers"] if not w["ok"]]
     assert len(stuck) == 1 and stuck[0]["reason"] == "its event loop did not answer", body
     wait_for(lambda: get(health, "/livez")[0] == 200, 20, "/livez to recover once the loop runs again")
+
+
+def test_readyz_says_draining_after_sigterm_while_livez_stays_up(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    port = free_port()
+    worker = workers.start("workersapp:slow", "d", "--health-port", str(port))
+    wait_for(lambda: get(port, "/readyz")[0] == 200, 60, "the worker to be ready")
+    with SyncClient(redis_url, namespace=namespace) as client:
+        client.send("slow.jobs", {"seconds": 4})
+    wait_for(lambda: get(port, "/livez")[1].get("in_flight") == 1, 30, "the message to be in flight")
+    worker.send_signal(signal.SIGTERM)
+    wait_for(lambda: get(port, "/readyz")[0] == 503, 5, "/readyz to say unready once draining")
+    assert get(port, "/readyz")[1]["reason"].startswith("draining")
+    assert get(port, "/livez")[0] == 200
+    assert worker.wait(timeout=30) == 0
