@@ -295,3 +295,20 @@ def test_readyz_says_draining_after_sigterm_while_livez_stays_up(
     assert get(port, "/readyz")[1]["reason"].startswith("draining")
     assert get(port, "/livez")[0] == 200
     assert worker.wait(timeout=30) == 0
+
+
+def test_every_worker_gets_the_options_given_to_the_supervisor() -> None:
+    from framework.cli import build_parser
+    from framework.cli.workers import worker_argv
+
+    parser = build_parser()
+    argv = ["run", "faultapp:worker", "--workers", "3", "--concurrency", "8", "--visibility-timeout", "2.5"]
+    argv += ["--group-commit-ms", "0.5", "--outbox-relay", "--ownership", "off", "--log-level", "debug"]
+    argv += ["--namespace", "ns", "--consumer", "c", "--metrics-port", "9000", "--health-port", "8000", "--reload"]
+    args = parser.parse_args(argv)
+    again = parser.parse_args(["run", "faultapp:worker", *worker_argv(args, args.run_parser)])
+    per_worker = {"workers", "reload", "consumer", "metrics_port", "health_port", "run_parser"}
+    for key, value in vars(args).items():
+        if key not in per_worker:
+            assert getattr(again, key) == value, key
+    assert (again.workers, again.reload, again.consumer, again.metrics_port) == (1, False, None, None)
