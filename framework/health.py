@@ -2,8 +2,10 @@
 
 ``/livez`` answers 200 whenever the worker's event loop answers at all: the server runs in that
 loop, beside the runtime's tasks, so a blocked loop (a sync call in an async handler) gets no answer
-and the probe times out. It never calls the broker: a broker outage must not make Kubernetes
-restart every worker at once (the runtime reconnects by itself).
+and the probe times out. The consumers' tasks run in the runtime's task group: one that ends
+takes the runtime, and this server with it, down (a crashed actor is restarted inside it). It
+never calls the broker: a broker outage must not make Kubernetes restart every worker at once
+(the runtime reconnects by itself).
 
 ``/readyz`` answers 200 once the worker consumes: started (groups joined), not draining, the broker
 reachable (no outage reported by the runtime's actors, and one cheap round trip answered within
