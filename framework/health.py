@@ -2,7 +2,7 @@
 
 ``/livez`` answers 200 whenever the worker's event loop answers at all: the server runs in that
 loop, beside the runtime's tasks, so a blocked loop (a sync call in an async handler) gets no answer
-and the probe times out. The consumers' tasks run in the runtime's task group: one that ends
+and the probe times out. The consumers' tasks run in the runtime's task group: one that fails
 takes the runtime, and this server with it, down (a crashed actor is restarted inside it). It
 never calls the broker: a broker outage must not make Kubernetes restart every worker at once
 (the runtime reconnects by itself).
