@@ -131,19 +131,24 @@ def test_three_workers_survive_a_sigkill_lose_nothing_and_all_drain_on_sigterm(
     assert pending == 0
 
 
-def test_a_worker_failing_at_start_is_restarted_with_backoff_then_given_up(workers: Workers) -> None:
+def test_a_worker_whose_startup_hook_fails_is_restarted_with_backoff_then_given_up(
+    workers: Workers, tmp_path: Path
+) -> None:
+    hooks = tmp_path / "hooks.log"
     began = time.monotonic()
-    sup = workers.start("workersapp:broken", "b", "--workers", "2")
-    assert sup.wait(timeout=90) == 1
+    sup = workers.start("lifespanapp:broken", "b", "--workers", "2", LIFESPAN_LOG=str(hooks))
+    assert sup.wait(timeout=120) == 1
     log = workers.log("b")
-    given_up = re.search(r"worker (\d) failed at start 5 times in a row \(last exit status 1\); giving up", log)
+    given_up = re.search(r"worker (\d) failed at start 5 times in a row \(last exit status 3\); giving up", log)
     assert given_up, log[-2000:]
     starts = [e for e in events(log, "worker started") if e["worker"] == int(given_up[1])]
     assert len(starts) == 5  # given up after 5 failures at start, not restarted in a loop
     stamps = [time.mktime(time.strptime(e["timestamp"][:19], "%Y-%m-%dT%H:%M:%S")) for e in starts]
     assert stamps[-1] - stamps[0] >= 3  # waits 0.5 + 1 + 2 + 4 s between them (second resolution)
     assert time.monotonic() - began >= 7
-    assert "has no handlers" in log  # the worker's own one-line error comes first
+    assert "startup hook" in log and "database at db:5432 refused the connection" in log  # the worker's own line
+    hooked = {int(line.split()[0]) for line in hooks.read_text().splitlines() if line.endswith("connecting")}
+    assert {e["pid"] for e in starts} <= hooked  # each of the 5 starts ran the hook, and failed in it
 
 
 def test_an_import_error_is_not_restarted(workers: Workers) -> None:

@@ -1,4 +1,4 @@
-"""Services for the supervisor tests (``framework run --workers N``): one that cannot start."""
+"""Services for the supervisor and health tests (``framework run --workers N``, ``--health-port``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ import time
 import anyio
 
 from framework import Service
-
-broken = Service("broken")  # no handlers: the runtime refuses to start it (exit status 1)
-
 
 stuck = Service("stuck")
 
