@@ -317,3 +317,12 @@ def test_every_worker_gets_the_options_given_to_the_supervisor() -> None:
         if key not in per_worker:
             assert getattr(again, key) == value, key
     assert (again.workers, again.reload, again.consumer, again.metrics_port) == (1, False, None, None)
+
+
+def test_a_sigterm_while_the_workers_start_stops_them_all_and_exits_zero(workers: Workers) -> None:
+    sup = workers.start("faultapp:worker", "e", "--workers", "2")
+    wait_for(lambda: len(events(workers.log("e"), "worker started")) == 2, 30, "the workers to be spawned")
+    sup.send_signal(signal.SIGTERM)  # the workers are still importing, or just connecting
+    assert sup.wait(timeout=60) == 0
+    pids = [e["pid"] for e in events(workers.log("e"), "worker started")]
+    assert len(pids) == 2 and not any(alive(pid) for pid in pids)

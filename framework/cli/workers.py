@@ -118,6 +118,7 @@ class Supervisor:
         self.signals: list[int] = []
         self.stopping = False
         self.forced: int | None = None
+        self.forwarded: int | None = None  # the first signal forwarded to the workers
         self.gave_up: str | None = None
         self.metrics_port, self.metrics_host = metrics_address(args)
         self.health_port: int | None = args.health_port
@@ -195,6 +196,7 @@ class Supervisor:
             log.warning("second signal: forwarding it, the workers exit now", signal=signal.Signals(signum).name)
         else:
             self.stopping = True
+            self.forwarded = signum
             log.info("stopping the workers gracefully", signal=signal.Signals(signum).name)
         for slot in self.slots:
             if slot.running and slot.proc is not None:
@@ -265,7 +267,10 @@ class Supervisor:
             return 128 + self.forced
         statuses = [slot.status for slot in self.slots if slot.status is not None]
         log.info("supervisor stopped", workers=self.count, exit_statuses=statuses)
-        return 0 if all(s == 0 for s in statuses) else 1
+        # killed by the forwarded signal itself: it came before the worker could handle it (while it
+        # imported), so nothing had started there
+        clean = (0, -self.forwarded if self.forwarded else 0)
+        return 0 if all(s in clean for s in statuses) else 1
 
 
 def supervise(args: argparse.Namespace) -> int:
