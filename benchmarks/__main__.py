@@ -53,6 +53,7 @@ BENCHMARKS = (
     "schedule",
     "saga",
     "rabbitmq",
+    "workers",
 )
 _NEEDS_RAW = {"commands", "events", "memory", "peer", "batch"}  # their ratios need the ceiling of the same run
 
@@ -289,6 +290,11 @@ class Runner(Report):
                 "saga",
                 "benchmarks.saga_bench",
                 lambda m: m.run(url, messages=s.messages // 4, repeats=self.repeats, sql=True),
+            )
+
+        if "workers" in self.selected:  # `framework run --workers 2` vs two separate processes (#36)
+            self._external(
+                "workers", "benchmarks.workers_bench", lambda m: m.run(url, messages=s.messages, repeats=self.repeats)
             )
 
     def _external(self, name: str, module_name: str, call: Callable[[Any], dict[str, Any]]) -> None:

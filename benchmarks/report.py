@@ -27,6 +27,7 @@ from benchmarks.rows import (
     _saga_sql_row,
     _schedule_row,
     _sql_key,
+    _workers_row,
     stats,
 )
 
@@ -345,6 +346,8 @@ class Report(SqlRows):
             rows.append(self._external_row("sagas", sg[0], _saga_row))
             if "saga_sql" in sg[0].get("medians", {}):
                 rows.append(self._external_row("sagas", sg[0], _saga_sql_row))
+        if not not_run("workers", "--workers 2") and (wk := self.trials.get("workers")):
+            rows.append(self._external_row("--workers 2", wk[0], _workers_row))
         if "rabbitmq" in self.selected:
             if "rabbitmq" in self.errors:
                 rows.append(Row("RabbitMQ transport", f"[yellow]{self.errors['rabbitmq']}[/yellow]"))
