@@ -1,0 +1,276 @@
+"""Request/reply (issue #35): round trips, typed errors, deadlines, late and duplicate replies,
+reply destinations that expire, on the embedded Valkey and on ``memory://``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import anyio
+import attrs
+import pytest
+
+from broker import Envelope, connect, derive_id
+from broker import headers as h
+from broker.capabilities import as_replies
+from broker.memory import reset
+from framework import Context, RetryPolicy, Service
+from framework.client import Client
+from framework.requests import ReplyDecodeError, RequestFailed, RequestTimeout
+from framework.testing import TEST_SETTINGS, ServiceHarness
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.anyio
+
+
+@attrs.frozen
+class Quote:
+    sku: str
+    qty: int
+
+
+@attrs.frozen
+class Price:
+    sku: str
+    cents: int
+
+
+@attrs.frozen
+class Priced:
+    sku: str
+    cents: int
+    currency: str  # a field the handler's reply does not have
+
+
+def pricing_service(name: str, *, runs: list[str] | None = None) -> Service:
+    svc = Service(name, retry=RetryPolicy(max_attempts=2, backoff=0.01, max_delay=0.02, fatal=(ValueError,)))
+
+    @svc.command(f"{name}.quote")
+    async def quote(q: Quote, ctx: Context) -> Price:
+        if runs is not None:
+            runs.append(q.sku)
+        if q.qty < 0:
+            raise ValueError(f"quantity {q.qty} is negative")
+        if q.sku == "slow":
+            await anyio.sleep(1.0)
+        return Price(q.sku, 250 * q.qty)
+
+    @svc.command(f"{name}.total")
+    async def total(q: Quote, ctx: Context) -> dict[str, int]:
+        one = await ctx.request(f"{name}.quote", Quote(q.sku, 1), timeout=5, response=Price)
+        return {"total": one.cents * q.qty}
+
+    @svc.command(f"{name}.sync")
+    def sync_quote(q: Quote) -> Price:
+        return Price(q.sku, 7)
+
+    return svc
+
+
+@pytest.fixture(params=["redis", "memory"])
+def url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    if request.param == "memory":
+        name = f"rr-{uuid.uuid4().hex[:8]}"
+        request.addfinalizer(lambda: reset(name))
+        return f"memory://{name}"
+    return redis_url
+
+
+async def test_round_trip_returns_the_handlers_value_decoded(url: str) -> None:
+    svc = pricing_service(f"p{uuid.uuid4().hex[:6]}")
+    async with ServiceHarness([svc], url=url) as hs:
+        price = await hs.client.request(f"{svc.name}.quote", Quote("a", 3), timeout=5, response=Price)
+        assert price == Price("a", 750)
+        # many at once, one reply each, in any order
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                got: dict[int, Price] = {}
+
+                async def ask(i: int) -> None:
+                    got[i] = await hs.client.request(f"{svc.name}.quote", Quote(f"s{i}", i), timeout=5, response=Price)
+
+                for i in range(20):
+                    tg.start_soon(ask, i)
+        assert got == {i: Price(f"s{i}", 250 * i) for i in range(20)}
+        # a request from a handler (ctx.request), and a sync handler's reply
+        assert await hs.client.request(f"{svc.name}.total", Quote("b", 4), timeout=5) == {"total": 1000}
+        assert await hs.client.request(f"{svc.name}.sync", Quote("c", 1), timeout=5, response=Price) == Price("c", 7)
+        assert hs.client.reply_stats["replies"] == 23
+        assert hs.client.reply_stats["late_replies"] == 0
+
+
+async def test_handler_exception_comes_back_as_a_typed_error(url: str) -> None:
+    svc = pricing_service(f"p{uuid.uuid4().hex[:6]}")
+    async with ServiceHarness([svc], url=url) as hs:
+        with pytest.raises(RequestFailed) as info:
+            await hs.client.request(f"{svc.name}.quote", Quote("a", -1), timeout=5, response=Price)
+        assert info.value.error_type == "builtins.ValueError"
+        assert info.value.error_message == "quantity -1 is negative"
+        assert info.value.destination == f"{svc.name}.quote"
+        assert "quantity -1 is negative" in str(info.value)
+        [dead] = await hs.dead_letters()  # dead-lettered as any failed command
+        assert dead.error_message == "quantity -1 is negative"
+        # an invalid payload too (dead-lettered at admission, never run)
+        with pytest.raises(RequestFailed, match="invalid payload"):
+            await hs.client.request(f"{svc.name}.quote", {"sku": "x"}, timeout=5, response=Price)
+
+
+async def test_timeout_names_the_destination_and_says_when_nobody_consumes_it(url: str) -> None:
+    async with Client(url, namespace=f"t{uuid.uuid4().hex[:8]}") as client:
+        started = time.monotonic()
+        with pytest.raises(RequestTimeout) as info:
+            await client.request("nobody.listens", Quote("a", 1), timeout=0.3, response=Price)
+        assert time.monotonic() - started < 3
+        assert "'nobody.listens'" in str(info.value) and "no group is subscribed" in str(info.value)
+        assert isinstance(info.value, TimeoutError)
+        with pytest.raises(ValueError, match="positive number of seconds"):
+            await client.request("nobody.listens", Quote("a", 1), timeout=0)
+
+
+async def test_a_reply_that_does_not_decode_names_the_field(url: str) -> None:
+    svc = pricing_service(f"p{uuid.uuid4().hex[:6]}")
+    async with ServiceHarness([svc], url=url) as hs:
+        with pytest.raises(ReplyDecodeError) as info:
+            await hs.client.request(f"{svc.name}.quote", Quote("a", 1), timeout=5, response=Priced)
+        assert "currency" in str(info.value) and "Priced" in str(info.value)
+
+
+async def test_late_replies_are_counted_and_dropped_and_deadline_passed_is_not_run(url: str) -> None:
+    runs: list[str] = []
+    svc = pricing_service(f"p{uuid.uuid4().hex[:6]}", runs=runs)
+    async with ServiceHarness([svc], url=url) as hs:
+        with pytest.raises(RequestTimeout):
+            await hs.client.request(f"{svc.name}.quote", Quote("slow", 1), timeout=0.3, response=Price)
+        # the slow handler replies after the timeout: counted as late, dropped
+        with anyio.fail_after(10):
+            while hs.client.reply_stats["late_replies"] < 1:
+                await hs.client.request(f"{svc.name}.quote", Quote("x", 1), timeout=5, response=Price)
+                await anyio.sleep(0.1)
+        # a request whose deadline passed before any handler took it is acked unrun
+        await hs.stop()
+        runs.clear()
+        with pytest.raises(RequestTimeout):
+            await hs.client.request(f"{svc.name}.quote", Quote("expired", 1), timeout=0.2, response=Price)
+        await hs.start()
+        await hs.run_until_idle()
+        assert "expired" not in runs
+        assert hs.stats()[f"{svc.name}.quote"]["expired"] == 1
+        assert await hs.dead_letters() == []
+
+
+async def test_only_the_first_reply_per_request_is_kept(url: str) -> None:
+    async with Client(url, namespace=f"t{uuid.uuid4().hex[:8]}") as client:
+        broker = await client.connect()
+
+        async def answer_twice() -> None:  # a replier whose request was redelivered after its reply went out
+            with anyio.fail_after(5):
+                while True:
+                    spec = await broker.get_destination("twice")
+                    stored = await as_introspection_messages(broker, spec)
+                    if stored:
+                        break
+                    await anyio.sleep(0.02)
+            request = stored[0]
+            for cents in (1, 2):
+                reply = Envelope(
+                    destination=request.headers[h.REPLY_TO],
+                    kind="command",
+                    type="Price",
+                    body=f'{{"sku": "a", "cents": {cents}}}'.encode(),
+                    headers={h.IN_REPLY_TO: request.id, h.REPLY_STATUS: "ok"},
+                    id=derive_id(request.id, "reply"),
+                )
+                await as_replies(broker).send_replies([reply])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(answer_twice)
+            price = await client.request("twice", Quote("a", 1), timeout=5, response=Price)
+        assert price == Price("a", 1)
+        with anyio.fail_after(5):
+            while client.reply_stats["duplicate_replies"] < 1:
+                await anyio.sleep(0.02)
+        assert client.reply_stats["replies"] == 1
+
+
+async def as_introspection_messages(broker: object, spec: object) -> list[Envelope]:
+    from broker.capabilities import as_introspection
+
+    if spec is None:
+        return []
+    return list(await as_introspection(broker).stored_messages(spec))  # type: ignore[arg-type]
+
+
+async def test_reply_destination_is_deleted_on_close_and_expires_when_its_requester_is_gone(url: str) -> None:
+    namespace = f"t{uuid.uuid4().hex[:8]}"
+    svc = pricing_service(f"p{uuid.uuid4().hex[:6]}")
+    async with ServiceHarness([svc], url=url, namespace=namespace) as hs:
+        store = as_replies(hs.broker)
+        client = Client(broker=hs.broker, reply_ttl=0.6)
+        await client.request(f"{svc.name}.quote", Quote("a", 1), timeout=5, response=Price)
+        name = client._requester.name  # type: ignore[union-attr]
+        assert await store.replies_exist(name)
+        await client.close()  # a clean close deletes it at once
+        assert not await store.replies_exist(name)
+        # a requester that stops without closing (its process died): gone after the time to live
+        idle = Client(broker=hs.broker, reply_ttl=0.6)
+        idle._requester = None
+        await idle.request(f"{svc.name}.quote", Quote("b", 1), timeout=5, response=Price)
+        name = idle._requester.name  # type: ignore[union-attr]
+        idle._requester.linger = 0.05  # type: ignore[union-attr]
+        assert await store.replies_exist(name)
+        with anyio.fail_after(5):
+            while await store.replies_exist(name):
+                await anyio.sleep(0.1)
+        # a reply to a destination that is gone is dropped, not stored without an expiry
+        reply = Envelope(destination=name, kind="command", type="x", body=b"{}", headers={h.IN_REPLY_TO: "r"})
+        assert await store.send_replies([reply]) == 0
+        assert not await store.replies_exist(name)
+
+
+def test_a_requester_process_killed_mid_request_leaves_nothing_behind(redis_url: str, namespace: str) -> None:
+    """SIGKILL a process waiting on a request: its reply stream is gone after its time to live."""
+    code = f"""
+import anyio, sys
+from framework.client import Client
+async def main():
+    async with Client({redis_url!r}, namespace={namespace!r}, reply_ttl=1.0) as c:
+        async def ask():
+            await c.request("nobody.home", {{"a": 1}}, timeout=60)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask)
+            await anyio.sleep(0.3)
+            print(c._requester.name, flush=True)
+            await anyio.sleep(60)
+anyio.run(main)
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert proc.stdout is not None
+        name = proc.stdout.readline().strip()
+        assert name.startswith("rq-")
+
+        async def exists() -> bool:
+            b = await connect(redis_url, namespace=namespace)
+            try:
+                return await as_replies(b).replies_exist(name)
+            finally:
+                await b.close()
+
+        assert anyio.run(exists)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while anyio.run(exists):
+            assert time.monotonic() < deadline, "the dead requester's reply stream did not expire"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+_ = TEST_SETTINGS
