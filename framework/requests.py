@@ -28,10 +28,12 @@ import orjson
 from broker import COMMAND, Broker, ConfigurationError, Envelope, new_id, now_ms
 from broker import headers as h
 from broker.capabilities import REPLIES, ReplyStore, as_replies
+from broker.codec import check_body_size
 from framework._messages import Outgoing, build_envelope
 from framework._payloads import PayloadError, decoder_for
 from framework.handlers import Queue
 from framework.logs import get_logger
+from framework.observability import hooks
 from framework.replies import ERROR
 
 __all__ = [
@@ -176,9 +178,7 @@ class Requester:
                 await self.publish([item])
                 reply = await future
         except TimeoutError:
-            raise RequestTimeout(
-                f"no reply from {name!r} within {seconds:g} s{await self._hint(name)}", name
-            ) from None
+            raise RequestTimeout(f"no reply from {name!r} within {seconds:g} s{await self._hint(name)}", name) from None
         finally:
             if self._pending.pop(request_id, None) is not None:
                 self._remember(request_id, answered=False)
@@ -283,17 +283,13 @@ class Requester:
             with anyio.move_on_after(2):
                 subscribed = {d for d, _ in await self.broker.list_subscriptions()}
                 return "" if name in subscribed else f" (no group is subscribed to {name!r}: is its service running?)"
-        except Exception:  # noqa: BLE001 - the hint is a courtesy; the timeout stands without it
+        except Exception:
             return ""
         return ""
 
 
 async def publish_direct(broker: Broker, items: Sequence[Outgoing]) -> None:
     """Publish prepared requests now (a handler's ``ctx.request``: not staged, the reply is needed now)."""
-    from broker.codec import check_body_size
-
-    from framework.observability import hooks
-
     for env, spec in items:
         check_body_size(env, broker.max_body_bytes)
         if spec is not None:

@@ -22,6 +22,7 @@ from framework.client import Client
 from framework.requests import ReplyDecodeError, RequestFailed, RequestTimeout
 from framework.testing import TEST_SETTINGS, ServiceHarness
 from tests.conftest import ROOT
+from tests.workers import Workers, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -274,3 +275,64 @@ anyio.run(main)
 
 
 _ = TEST_SETTINGS
+
+
+@pytest.mark.fault
+@pytest.mark.slow
+def test_a_worker_killed_mid_request_still_gives_exactly_one_reply(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    import redis
+
+    from framework import SyncClient
+
+    r = redis.Redis.from_url(redis_url)
+    opts = ("--visibility-timeout", "1")
+    a = workers.start("replyapp:pricing", "a", *opts, JOB_SLEEP="30")
+    with SyncClient(redis_url, namespace=namespace) as client:
+
+        def kill_a_then_start_b() -> None:
+            wait_for(lambda: r.get(f"{namespace}:test:started"), 30, "worker a to start the request")
+            a.kill()  # SIGKILL mid-handler: no reply, no ack
+            a.wait()
+            workers.start("replyapp:pricing", "b", *opts, JOB_SLEEP="0")
+
+        import threading
+
+        killer = threading.Thread(target=kill_a_then_start_b)
+        killer.start()
+        reply = client.request("pricing.quote", {"sku": "k", "qty": 2}, timeout=30)
+        killer.join()
+        assert reply == {"sku": "k", "cents": 500}
+        assert int(r.hget(f"{namespace}:test:runs", "k") or 0) == 2  # a's run and b's
+        stats = client._portal.call(lambda: client._client.reply_stats)  # type: ignore[attr-defined]
+        assert stats["replies"] == 1
+
+
+@pytest.mark.fault
+@pytest.mark.slow
+def test_a_worker_killed_after_its_reply_before_its_ack_answers_once(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    import redis
+
+    from framework import SyncClient
+
+    r = redis.Redis.from_url(redis_url)
+    opts = ("--visibility-timeout", "1")
+    a = workers.start("replyapp:pricing", "a", *opts, DIE_AFTER_REPLY="1")
+    with SyncClient(redis_url, namespace=namespace) as client:
+        reply = client.request("pricing.quote", {"sku": "d", "qty": 1}, timeout=30)
+        assert reply == {"sku": "d", "cents": 250}
+        assert a.wait(timeout=10) == -9  # killed right after the reply went out, before the ack
+        # the redelivered request runs again on b and replies again: the requester drops that copy
+        workers.start("replyapp:pricing", "b", *opts)
+        wait_for(lambda: int(r.hget(f"{namespace}:test:runs", "d") or 0) == 2, 30, "b to run the redelivered request")
+
+        def stats() -> dict[str, int]:
+            return client._portal.call(lambda: client._client.reply_stats)  # type: ignore[attr-defined,no-any-return]
+
+        # (the reader runs while requests wait: the next request reads the copy left on the stream)
+        assert client.request("pricing.quote", {"sku": "e", "qty": 1}, timeout=30) == {"sku": "e", "cents": 250}
+        wait_for(lambda: stats()["duplicate_replies"] == 1, 10, "the second reply to be dropped as a duplicate")
+        assert stats()["replies"] == 2

@@ -60,10 +60,10 @@ class Replies(RedisCore):
         if not entries:
             return cursor, []
         envelopes = []
-        for entry_id, fields in entries:
+        for _, fields in entries:
             try:
                 env = decode_fields(fields, name, COMMAND)
-            except Exception:  # noqa: BLE001 - a malformed reply is skipped, never the reader's end
+            except Exception:
                 continue
             envelopes.append(env)
         await self.redis.execute_command("XDEL", key, *[entry_id for entry_id, _ in entries])

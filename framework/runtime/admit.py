@@ -18,8 +18,8 @@ from framework._payloads import PayloadError
 from framework.dead_letters.reasons import poison_reason
 from framework.inbox import check_inbox
 from framework.logs import debug_enabled
-from framework.replies import deadline_passed
 from framework.observability import logcontext
+from framework.replies import deadline_passed
 from framework.runtime.lanes import Worker
 from framework.runtime.ledger import Ledger
 from framework.runtime.settle import Settlement

@@ -33,8 +33,8 @@ from framework.context import Context
 from framework.dead_letters.reasons import exception_reason
 from framework.logs import debug_enabled
 from framework.middleware import Outcome
-from framework.replies import error_reply, send_replies
 from framework.observability import hooks
+from framework.replies import error_reply, send_replies
 from framework.runtime.connectivity import healthy
 from framework.runtime.ledger import Ledger
 from framework.runtime.supervisor import is_connection_error
