@@ -21,7 +21,6 @@ p50/p99 round trip of the one-at-a-time loop; ratio = raw rate over framework ra
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import sys
 import time
@@ -218,4 +217,3 @@ if __name__ == "__main__":
 
         n = int(sys.argv[2]) if len(sys.argv) > 2 else 1_000
         print(orjson.dumps(run(sys.argv[1], requests=n)).decode())
-        _ = os.environ
