@@ -52,6 +52,7 @@ BENCHMARKS = (
     "schedule",
     "saga",
     "rabbitmq",
+    "reply",
 )
 _NEEDS_RAW = {"commands", "events", "memory", "peer"}  # their ratios need the ceiling of the same run
 
@@ -285,6 +286,13 @@ class Runner(Report):
                 "saga",
                 "benchmarks.saga_bench",
                 lambda m: m.run(url, messages=s.messages // 4, repeats=self.repeats, sql=True),
+            )
+
+        if "reply" in self.selected:  # request/reply (#35): round trips next to a raw redis-py loop, same run
+            self._external(
+                "reply",
+                "benchmarks.reply_bench",
+                lambda m: m.run(url, requests=max(500, s.messages // 10), repeats=self.repeats),
             )
 
     def _external(self, name: str, module_name: str, call: Callable[[Any], dict[str, Any]]) -> None:

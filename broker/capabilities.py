@@ -368,7 +368,8 @@ class ReplyStore(Protocol):
         self, name: str, cursor: str, *, block_ms: int = 0, count: int = 100
     ) -> tuple[str, list[Envelope]]:
         """Replies stored on ``name`` after ``cursor`` ('0': the first), waiting up to ``block_ms``
-        for one, and the cursor to read from next; replies read are removed. [] when it does not exist."""
+        for one, and the cursor to read from next; replies up to ``cursor`` (read before) are removed.
+        [] when it does not exist."""
         ...
 
     async def replies_exist(self, name: str) -> bool:

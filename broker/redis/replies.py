@@ -4,7 +4,7 @@ A requester's replies go to the stream ``<namespace>:reply:{<name>}``, created e
 ``reply_open.lua`` with a PEXPIRE that the requester pushes back while it lives; a reply is
 stored by ``reply_send.lua`` only while that stream exists, so a requester that dies leaves
 nothing behind once its expiry passes. The requester reads with XREAD from its own cursor (no
-group: one reader) and deletes what it read, so a reconnect within the expiry loses no reply.
+group: one reader) and deletes what it read with its next read, so a reconnect within the expiry loses no reply.
 """
 
 from __future__ import annotations
@@ -50,13 +50,16 @@ class Replies(RedisCore):
         self, name: str, cursor: str, *, block_ms: int = 0, count: int = 100
     ) -> tuple[str, list[Envelope]]:
         """Replies stored after ``cursor``, waiting up to ``block_ms`` (capped at half the command
-        timeout), and the next cursor; what was read is deleted."""
+        timeout), and the next cursor; what an earlier call returned (up to ``cursor``) is deleted."""
         key = reply_key(self.namespace, name)
         args: list[Any] = ["XREAD", "COUNT", count]
         if block_ms > 0:
             args += ["BLOCK", min(block_ms, int(self.command_timeout * 500))]
-        reply = await self.redis.execute_command(*args, "STREAMS", key, cursor or "0")
-        entries = _entries(reply)
+        pipe = self.redis.pipeline(transaction=False)
+        if cursor and cursor != "0":  # what the last call returned was read: drop it (in the same round trip)
+            pipe.execute_command("XTRIM", key, "MINID", _next_id(cursor))
+        pipe.execute_command(*args, "STREAMS", key, cursor or "0")
+        entries = _entries((await pipe.execute())[-1])
         if not entries:
             return cursor, []
         envelopes = []
@@ -66,7 +69,6 @@ class Replies(RedisCore):
             except Exception:
                 continue
             envelopes.append(env)
-        await self.redis.execute_command("XDEL", key, *[entry_id for entry_id, _ in entries])
         return entries[-1][0], envelopes
 
     async def replies_exist(self, name: str) -> bool:
@@ -96,6 +98,12 @@ def _entries(reply: Any) -> list[tuple[str, dict[bytes, bytes]]]:
                 fields = fields_of(list(fields))
             out.append((text(entry_id), {_b(k): _b(v) for k, v in fields.items()}))
     return out
+
+
+def _next_id(entry_id: str) -> str:
+    """The stream id right after ``entry_id`` (XTRIM MINID keeps ids at or above its argument)."""
+    ms, _, seq = entry_id.partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
 
 
 def _b(value: Any) -> bytes:
