@@ -4,10 +4,12 @@ reply destinations that expire, on the embedded Valkey and on ``memory://``."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import anyio
 import attrs
@@ -336,3 +338,17 @@ def test_a_worker_killed_after_its_reply_before_its_ack_answers_once(
         assert client.request("pricing.quote", {"sku": "e", "qty": 1}, timeout=30) == {"sku": "e", "cents": 250}
         wait_for(lambda: stats()["duplicate_replies"] == 1, 10, "the second reply to be dropped as a duplicate")
         assert stats()["replies"] == 2
+
+
+def test_the_request_reply_guide_example_runs_as_written(tmp_path: Path) -> None:
+    doc = (ROOT / "docs" / "request-reply.md").read_text()
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if b.startswith("# pricing.py")]
+    (tmp_path / "pricing.py").write_text(block)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "pricing.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "failed: builtins.ValueError quantity must be positive, not 0" in run.stdout
+    assert "no reply from 'inventory.check' within 0.2 s (no group is subscribed" in run.stdout
+    assert "'replies': 3, 'late_replies': 0" in run.stdout  # the error reply counts; ctx.request's are the worker's
