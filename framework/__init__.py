@@ -24,7 +24,8 @@ From the bottom: leaf helpers (``_payloads``, ``retries``, ``settings``, ``sql``
 ``handlers`` with Queue/Topic/Handler, ``outcomes``, ``_messages``, ``replies``, ``scheduling``, the outbox
 tables in ``outbox.schema``) -> ``observability`` (tracing, metrics, the consumer's observer,
 the ``hooks`` switches, log context) and ``logconfig`` -> the database ``outbox`` and its relay
--> handler effects (``group_commit``, ``effects``) and the requester (``requests``) -> the handler ``context`` and ``middleware``
+-> handler effects (``group_commit``, ``effects``) and the requester (``requests``) -> the
+handler ``context`` and ``middleware``
 -> ``saga`` -> ``service`` -> ``client``, ``inbox``, ``dead_letters`` and the actor ``runtime``
 -> ``testing``, ``cli`` and this module. A lower module that needs a higher one's object gets it
 passed in, typed by a small Protocol of its own (``_sql_block.SqlRun`` for the context,
@@ -36,8 +37,8 @@ from framework._payloads import PayloadError, converter
 from framework.client import Batch, Client, SyncClient
 from framework.context import Context
 from framework.middleware import CallNext, InboundMessage, Middleware, Outcome
-from framework.requests import ReplyDecodeError, RequestError, RequestFailed, RequestTimeout
 from framework.observability import enable_metrics, enable_tracing
+from framework.requests import ReplyDecodeError, RequestError, RequestFailed, RequestTimeout
 from framework.retries import HandlerTimeout, RetryAfter, RetryPolicy
 from framework.runtime import Runtime
 from framework.saga import Saga, SagaContext
