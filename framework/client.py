@@ -1,7 +1,8 @@
 """Publishing from plain code: an async :class:`Client` and a blocking :class:`SyncClient`.
 
 ``send`` puts a command on a queue, ``publish`` an event on a topic; both return once the message
-is stored. ``send_many``/``publish_many`` and :meth:`Client.batch` pipeline many messages in one
+is stored. ``request`` sends a command and waits for its handler's return value (request/reply,
+:mod:`framework.requests`). ``send_many``/``publish_many`` and :meth:`Client.batch` pipeline many messages in one
 round trip. ``idempotency_key`` makes a repeated publish (a retried HTTP request, say) a no-op
 within the broker's dedup window (``send``/``publish`` then return None instead of an id).
 """
@@ -321,6 +322,11 @@ class SyncClient:
     def request(self, queue: str | Queue, command: Any, **options: Any) -> Any:
         """See :meth:`Client.request`."""
         return self._portal.call(lambda: self._client.request(queue, command, **options))
+
+    @property
+    def reply_stats(self) -> dict[str, int]:
+        """See :attr:`Client.reply_stats`."""
+        return self._client.reply_stats
 
     def send_many(self, queue: str | Queue, commands: Iterable[Any], **options: Any) -> list[str]:
         """See :meth:`Client.send_many`."""

@@ -19,8 +19,11 @@ from broker import COMMAND, Broker, Envelope, derive_id, now_ms
 from broker import headers as h
 from broker.capabilities import REPLIES, as_replies
 from framework._payloads import RAW_CONTENT_TYPE, encode_payload, type_name
+from framework.logs import get_logger
 
 __all__ = ["OK", "ERROR", "deadline_passed", "error_reply", "reply_for", "send_replies"]
+
+log = get_logger("framework.replies")
 
 OK = "ok"
 ERROR = "error"
@@ -84,6 +87,14 @@ def deadline_passed(request: Envelope, now: int | None = None) -> bool:
 async def send_replies(broker: Broker, replies: Sequence[Envelope]) -> int:
     """Store ``replies`` on their requesters' reply destinations; how many were stored (a reply to
     a requester that is gone is dropped). On a transport without the ``replies`` capability, 0."""
-    if not replies or REPLIES not in broker.capabilities:
+    if not replies:
+        return 0
+    if REPLIES not in broker.capabilities:
+        log.warning(
+            "a request asked for a reply, but this transport has no reply destinations (capability 'replies'): "
+            "reply dropped, its requester will time out",
+            transport=broker.transport,
+            count=len(replies),
+        )
         return 0
     return await as_replies(broker).send_replies(replies)
