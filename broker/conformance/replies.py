@@ -27,20 +27,24 @@ async def check_replies_are_stored_read_once_in_order_and_survive_a_reconnect(
 ) -> None:
     """Replies to an open destination are read in order from the cursor, each once, by another connection too."""
     name = f"rq-{new_id()}"
-    async with one_broker(make) as broker:
-        store = as_replies(broker)
+    async with Brokers(make) as brokers:
+        first = await brokers()
+        store = as_replies(first)
         await store.open_replies(name, 30_000)
         assert await store.replies_exist(name)
         assert await store.send_replies([_reply(name, "a"), _reply(name, "b", b"[1]")]) == 2
-        cursor, got = await store.read_replies(name, "0")
+        cursor, got = await store.read_replies(name, "0", block_ms=2000)
+        if len(got) < 2:
+            cursor, more = await store.read_replies(name, cursor, block_ms=2000)
+            got += more
         assert [r.headers[h.IN_REPLY_TO] for r in got] == ["a", "b"] and got[1].body == b"[1]"
         assert got[0].destination == name and got[0].type == "T"
         assert await store.send_replies([_reply(name, "c")]) == 1
-        if features.shared_state:  # a reconnect (another connection) reads on from the cursor
-            async with one_broker(make) as again:
-                cursor, got = await as_replies(again).read_replies(name, cursor)
-        else:
-            cursor, got = await store.read_replies(name, cursor)
+        if features.shared_state:  # the connection drops; a new one reads on from the cursor
+            await anyio.sleep(0.1)
+            await first.close()
+            store = as_replies(await brokers())
+        cursor, got = await store.read_replies(name, cursor, block_ms=2000)
         assert [r.headers[h.IN_REPLY_TO] for r in got] == ["c"]
         assert (await store.read_replies(name, cursor))[1] == []
         await store.close_replies(name)
@@ -76,12 +80,12 @@ async def check_a_reply_destination_expires_and_takes_no_reply_after(make: Broke
         store = as_replies(broker)
         assert await store.send_replies([_reply(name, "never-opened")]) == 0
         assert not await store.replies_exist(name)
-        await store.open_replies(name, 200)
+        await store.open_replies(name, 300)
         await store.send_replies([_reply(name, "a")])
         await store.open_replies(name, 300)  # kept alive: the expiry moves, the replies stay
-        with anyio.fail_after(5):
-            while await store.replies_exist(name):
-                await anyio.sleep(0.05)
+        # (not polled: asking whether it exists may count as a use that keeps it, as on RabbitMQ)
+        await anyio.sleep(1.5)
+        assert not await store.replies_exist(name), "the reply destination outlived its time to live"
         assert await store.send_replies([_reply(name, "late")]) == 0
         assert not await store.replies_exist(name)
         assert (await store.read_replies(name, "0"))[1] == []

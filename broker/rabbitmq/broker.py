@@ -12,26 +12,27 @@ from typing import Any
 
 import aio_pika.abc
 
-from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION
+from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, REPLIES
 from broker.rabbitmq.inbox import SideInbox
 from broker.rabbitmq.introspection import Inspection
+from broker.rabbitmq.replies import Replies
 
 __all__ = ["RabbitBroker"]
 
 
-class RabbitBroker(Inspection):
+class RabbitBroker(Inspection, Replies):
     """Broker on a RabbitMQ server (3.10 or newer). Use :func:`broker.rabbitmq.connect_rabbitmq` (or
     ``broker.connect("amqp://...")``) to build one.
 
     Keeps the :class:`~broker.Broker` contract with the degraded promises written in
-    :mod:`broker.rabbitmq` and declares ``dead_letter_admin`` and ``introspection``, and ``inbox`` when
+    :mod:`broker.rabbitmq` and declares ``dead_letter_admin``, ``introspection`` and ``replies``, and ``inbox`` when
     it was given an inbox store (``inbox``, a :class:`~broker.rabbitmq.inbox.SideInbox`: the Redis
     inbox from :func:`broker.connect`); no ``ownership``, ``scheduling`` (cancel, list, recurring
     jobs), ``state`` or ``redis``.
     """
 
     transport = "rabbitmq"
-    capabilities = frozenset({DEAD_LETTER_ADMIN, INTROSPECTION})
+    capabilities = frozenset({DEAD_LETTER_ADMIN, INTROSPECTION, REPLIES})
     exclusive_partitions = True
     """The server delivers each partition of several to one consumer at a time (single active consumer):
     the runtime needs no ownership leases to keep per-key order across processes (it reads every partition
