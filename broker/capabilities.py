@@ -15,7 +15,7 @@ its first message. Each capability is a protocol of the methods it adds to :clas
 | ``introspection`` | :class:`~broker.introspection.Introspection` | yes | yes | yes |
 | ``state`` | :class:`StateStore` | yes (hashes under the partition's hash tag) | yes | no |
 | ``redis`` | :class:`RedisStore` | yes | no | no |
-| ``replies`` | :class:`ReplyStore` | yes (a stream per requester, PEXPIRE) | yes | yes (a queue per requester, ``x-expires``) |
+| ``replies`` | :class:`ReplyStore` | yes (a stream per requester, PEXPIRE) | yes | yes (queues with ``x-expires``) |
 """
 
 from __future__ import annotations

@@ -354,3 +354,40 @@ def test_the_request_reply_guide_example_runs_as_written(tmp_path: Path) -> None
     assert "failed: builtins.ValueError quantity must be positive, not 0" in run.stdout
     assert "no reply from 'inventory.check' within 0.2 s (no group is subscribed" in run.stdout
     assert "'replies': 3, 'late_replies': 0" in run.stdout  # the error reply counts; ctx.request's are the worker's
+
+
+async def test_replies_after_redis_effects_commit_and_through_middleware(redis_url: str) -> None:
+    """A handler with ``ctx.redis_transaction()`` replies once its writes committed; with middleware the
+    chain's outcome decides (a middleware that fails the run gets the requester an error reply, not the
+    handler's value)."""
+    name = f"p{uuid.uuid4().hex[:6]}"
+    svc = Service(name, retry=RetryPolicy(max_attempts=1))
+
+    @svc.command(f"{name}.count")
+    async def count(q: Quote, ctx: Context) -> int:
+        ctx.redis_transaction().hincrby(f"{ctx.hash_tag}:counts", q.sku, q.qty)
+        value = await ctx.redis.hget(f"{ctx.hash_tag}:counts", q.sku)
+        return int(value or 0) + q.qty  # what the commit makes it
+
+    @svc.command(f"{name}.echo")
+    async def echo(q: Quote, ctx: Context) -> Quote:
+        return q
+
+    seen: list[str] = []
+
+    async def audit(message: object, ctx: Context, call_next: object) -> object:
+        outcome = await call_next()  # type: ignore[operator]
+        seen.append(outcome.status)
+        if ctx.headers.get("x-refuse"):
+            raise PermissionError("refused by policy")
+        return outcome
+
+    async with ServiceHarness([svc], url=redis_url) as hs:
+        assert await hs.client.request(f"{name}.count", Quote("a", 2), timeout=5, response=int) == 2
+        assert await hs.client.request(f"{name}.count", Quote("a", 3), timeout=5, response=int) == 5
+    async with ServiceHarness([svc], url=redis_url, middleware=[audit]) as hs:  # type: ignore[list-item]
+        assert await hs.client.request(f"{name}.count", Quote("b", 1), timeout=5, response=int) == 1
+        assert await hs.client.request(f"{name}.echo", Quote("c", 1), timeout=5, response=Quote) == Quote("c", 1)
+        with pytest.raises(RequestFailed, match="refused by policy"):
+            await hs.client.request(f"{name}.echo", Quote("c", 1), timeout=5, headers={"x-refuse": "1"})
+        assert seen[:2] == ["success", "success"]
