@@ -204,7 +204,14 @@ class Requester:
     def _decoder(self, response: Any) -> Callable[[bytes], Any]:
         decode = self._decoders.get(response)
         if decode is None:
-            decode = self._decoders[response] = decoder_for(response)  # TypeError at once for a bad type
+            try:
+                decode = decoder_for(response)
+            except Exception as exc:  # before anything is sent
+                raise TypeError(
+                    f"response={response!r} is not a payload type: give an attrs class, a dataclass, dict, "
+                    f"list, str, int, float, bool or bytes ({exc})"
+                ) from None
+            self._decoders[response] = decode
         return decode
 
     def _decode(self, reply: Envelope, decode: Callable[[bytes], Any], name: str, response: Any) -> Any:

@@ -13,6 +13,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import anyio
+import anyio.lowlevel
 import attrs
 import pytest
 
@@ -391,3 +392,23 @@ async def test_replies_after_redis_effects_commit_and_through_middleware(redis_u
         with pytest.raises(RequestFailed, match="refused by policy"):
             await hs.client.request(f"{name}.echo", Quote("c", 1), timeout=5, headers={"x-refuse": "1"})
         assert seen[:2] == ["success", "success"]
+
+
+async def test_bad_input_fails_before_anything_is_sent(redis_url: str) -> None:
+    from types import SimpleNamespace
+
+    from broker import ConfigurationError
+    from framework.requests import Requester
+
+    thin = SimpleNamespace(transport="thin", capabilities=frozenset())
+    with pytest.raises(ConfigurationError, match="'replies' capability, which the thin transport does not have"):
+        Requester(thin, lambda items: anyio.lowlevel.checkpoint())  # type: ignore[arg-type]
+    async with Client(redis_url, namespace=f"t{uuid.uuid4().hex[:8]}") as client:
+        with pytest.raises(TypeError, match="is not a payload type: give an attrs class"):
+            await client.request("q", {}, timeout=1, response=object())
+        with pytest.raises(TypeError, match="payload type Thing is not supported"):
+            await client.request("q", {}, timeout=1, response=type("Thing", (), {}))
+        for bad in (-1, 0, float("nan"), "2", True):
+            with pytest.raises(ValueError, match="positive number of seconds"):
+                await client.request("q", {}, timeout=bad)
+        assert await client.broker.get_destination("q") is None  # nothing was declared or sent
