@@ -31,6 +31,8 @@ PUBLIC = {
         "Topic",
         "Context",
         "HandlerError",
+        "Resource",
+        "StartupError",
         "Saga",
         "SagaContext",
         "RetryPolicy",

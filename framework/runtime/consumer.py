@@ -41,6 +41,9 @@ __all__ = ["Consumer", "ConsumerStats"]
 
 log = get_logger("framework.runtime.consumer")
 
+_STRAGGLERS = 0.25
+"""Seconds a finished run may wait behind a long run of its lane before the watchdog settles it."""
+
 
 class Consumer:
     """Runs one handler of one service over the partitions of its destination (all, or those it owns)."""
@@ -78,10 +81,23 @@ class Consumer:
             else:
                 tg.start_soon(supervise, f"{label}.ownership", self.ownership.run)
             tg.start_soon(supervise, f"{label}.trim", every, settings.trim_interval, upkeep.trim, self._all)
-            if self.handler.timeout is not None:
-                interval = min(1.0, self.handler.timeout / 4)
-                watch = lambda: upkeep.watch(list(self.states.values()))  # noqa: E731 - a duty with no arguments
-                tg.start_soon(supervise, f"{label}.watchdog", every_local, interval, watch)
+            timeout = self.handler.timeout
+            interval = _STRAGGLERS if timeout is None else min(_STRAGGLERS, timeout / 4)
+            watch = functools.partial(self._watch, interval)
+            tg.start_soon(supervise, f"{label}.watchdog", every_local, interval, watch)
+
+    async def _watch(self, interval: float) -> None:
+        """The watchdog's pass: cancel runs past their timeout, then settle runs a lane finished that wait
+        behind a long run (it cannot settle them until that run ends) for ``interval`` or more."""
+        ledgers = list(self.states.values())
+        if self.handler.timeout is not None:
+            await self.upkeep.watch(ledgers)
+        now = time.monotonic()
+        for ledger in ledgers:
+            for slot in list(ledger.slots):
+                done = slot.pending
+                if done is not None and done.deliveries and slot.delivery is not None and now - done.since >= interval:
+                    await self.settle.finished(ledger, done)
 
     async def serve(
         self, ledger: Ledger, intake: anyio.CancelScope | None = None, intake_done: anyio.Event | None = None
@@ -179,6 +195,7 @@ class Consumer:
         done = Finished()
         slot = Slot()
         slot.flush = functools.partial(self._settle_now, ledger, done)
+        slot.pending = done
         ledger.slots.add(slot)
         started = time.perf_counter()
         context = logcontext.enter(slot, self.handler)  # log lines name the slot's current run

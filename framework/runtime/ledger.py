@@ -58,7 +58,19 @@ class Slot:
     middleware is installed, the scope of the one attempt (so the chain sees the timeout).
     """
 
-    __slots__ = ("attempt", "delivery", "flush", "index", "observed", "runs", "scope", "seen_at", "seen_run", "watch")
+    __slots__ = (
+        "attempt",
+        "delivery",
+        "flush",
+        "index",
+        "observed",
+        "pending",
+        "runs",
+        "scope",
+        "seen_at",
+        "seen_run",
+        "watch",
+    )
 
     def __init__(self) -> None:
         self.delivery: Delivery | None = None  # set only while the handler itself runs
@@ -73,6 +85,7 @@ class Slot:
         # settles the runs this lane finished and sends the partition's queued acks now (a saga step
         # whose commit builds on a state write its instance's earlier step sent with its ack)
         self.flush: Callable[[], Awaitable[None]] | None = None
+        self.pending: Any = None  # the lane's finished, unsettled runs (framework.runtime.settle.Finished)
 
 
 class Lease:

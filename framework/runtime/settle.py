@@ -48,7 +48,7 @@ SETTLED: Any = object()  # an attempt whose message is settled already (effects 
 class Finished:
     """Runs that finished in a lane and wait to be settled: published, then acknowledged."""
 
-    __slots__ = ("deliveries", "duplicate_ids", "duplicates", "outgoing", "replies", "since")
+    __slots__ = ("deliveries", "duplicate_ids", "duplicates", "outgoing", "publishing", "replies", "since")
 
     def __init__(self) -> None:
         self.deliveries: list[Delivery] = []
@@ -57,6 +57,9 @@ class Finished:
         self.duplicates = 0
         self.duplicate_ids: list[int] = []  # id() of the duplicate deliveries (for the debug lines)
         self.since = 0.0
+        # set while a settle of these runs publishes their staged messages: the lane and the watchdog
+        # (settling runs a long next run holds back) both settle them, one after the other, in order
+        self.publishing: anyio.Event | None = None
 
     def add(self, d: Delivery, ctx: Context, now: float) -> None:
         """Record a successful run finished at ``now`` (monotonic)."""
@@ -99,6 +102,8 @@ class Settlement:
 
     async def finished(self, ledger: Ledger, done: Finished) -> None:
         """Publish what finished handlers staged, then queue their acks (one flush for many)."""
+        while done.publishing is not None:  # an earlier settle of this lane's runs is publishing: keep order
+            await done.publishing.wait()
         if not done.deliveries:
             return
         deliveries, outgoing, duplicates = done.deliveries, done.outgoing, done.duplicates
@@ -109,6 +114,7 @@ class Settlement:
         if replies:
             done.replies = []
         if outgoing or replies:
+            done.publishing = publishing = anyio.Event()
             try:
                 if outgoing:
                     await self.wiring.publish(outgoing)
@@ -121,6 +127,9 @@ class Settlement:
                 ledger.forget(deliveries)
                 ledger.broken()
                 return
+            finally:
+                done.publishing = None
+                publishing.set()
         self.stats.processed += len(deliveries) - duplicates
         ledger.queue_acks(deliveries)  # processed: room to fetch more while the ack is on its way
         if self.debug:
