@@ -54,6 +54,7 @@ BENCHMARKS = (
     "saga",
     "rabbitmq",
     "workers",
+    "reply",
 )
 _NEEDS_RAW = {"commands", "events", "memory", "peer", "batch"}  # their ratios need the ceiling of the same run
 
@@ -295,6 +296,12 @@ class Runner(Report):
         if "workers" in self.selected:  # `framework run --workers 2` vs two separate processes (#36)
             self._external(
                 "workers", "benchmarks.workers_bench", lambda m: m.run(url, messages=s.messages, repeats=self.repeats)
+            )
+        if "reply" in self.selected:  # request/reply (#35): round trips next to a raw redis-py loop, same run
+            self._external(
+                "reply",
+                "benchmarks.reply_bench",
+                lambda m: m.run(url, requests=max(500, s.messages // 10), repeats=self.repeats),
             )
 
     def _external(self, name: str, module_name: str, call: Callable[[Any], dict[str, Any]]) -> None:

@@ -23,6 +23,7 @@ from benchmarks.rows import (
     _ownership_row,
     _rabbitmq_row,
     _rate,
+    _reply_row,
     _saga_row,
     _saga_sql_row,
     _schedule_row,
@@ -348,6 +349,8 @@ class Report(SqlRows):
                 rows.append(self._external_row("sagas", sg[0], _saga_sql_row))
         if not not_run("workers", "--workers 2") and (wk := self.trials.get("workers")):
             rows.append(self._external_row("--workers 2", wk[0], _workers_row))
+        if not not_run("reply", "request/reply") and (rr := self.trials.get("reply")):
+            rows.append(self._external_row("request/reply", rr[0], _reply_row))
         if "rabbitmq" in self.selected:
             if "rabbitmq" in self.errors:
                 rows.append(Row("RabbitMQ transport", f"[yellow]{self.errors['rabbitmq']}[/yellow]"))

@@ -185,6 +185,19 @@ def _saga_row(o: dict[str, Any]) -> Row:
     )
 
 
+def _reply_row(o: dict[str, Any]) -> Row:
+    fw, raw = o["medians"]["framework"], o["medians"]["raw"]
+    return Row(
+        f"request/reply: {o['requests']:,} round trips, one worker, one at a time (and {o['concurrent']} in flight)",
+        f"{fw['per_s']:,.0f} round trips/s, p50 {fw['p50_ms']:.2f} ms, p99 {fw['p99_ms']:.2f} ms"
+        f"\n[dim]{o['concurrent']} in flight: {fw['concurrent_per_s']:,.0f}/s[/dim]",
+        f"{raw['per_s']:,.0f}/s raw redis-py, p99 {raw['p99_ms']:.2f} ms"
+        f"\n[dim]{o['concurrent']} in flight: {raw['concurrent_per_s']:,.0f}/s[/dim]",
+        f"raw {o['ratio']:.1f}x\n[dim]in flight: {o['concurrent_ratio']:.1f}x[/dim]",
+        target="(reported)",
+    )
+
+
 def _saga_sql_row(o: dict[str, Any]) -> Row:
     m, cost = o["medians"], o["cost"]
     return Row(

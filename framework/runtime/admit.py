@@ -14,12 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 from broker import Delivery
-from broker.headers import DLQ_REASON
+from broker.headers import DEADLINE, DLQ_REASON
 from framework._payloads import PayloadError
 from framework.dead_letters.reasons import poison_reason
 from framework.inbox import check_inbox
 from framework.logs import debug_enabled
 from framework.observability import logcontext
+from framework.replies import deadline_passed
 from framework.runtime.lanes import Worker
 from framework.runtime.ledger import Ledger
 from framework.runtime.settle import Settlement
@@ -77,9 +78,13 @@ class Admission:
                 self._dropped_duplicates(ledger, checked, runnable)
         if handler.prepare is not None and runnable:
             await self._prepare(ledger, runnable, channel)
+        expired: list[Delivery] = []
         for d in runnable:
             env = d.envelope
             assert env is not None
+            if DEADLINE in env.headers and deadline_passed(env):  # a request nobody waits for any more
+                expired.append(d)
+                continue
             try:
                 payload = decode(env.body)
                 lane_key = key_fn(payload) if key_fn is not None else env.key
@@ -104,6 +109,8 @@ class Admission:
                     works.append((d, payload))
         for d, reason in poison:
             await self._dead_letter(ledger, d, reason)
+        if expired:
+            self._expired(ledger, expired)
         if redelivered:
             await self.sort_redeliveries(ledger, redelivered, by_lane, keyless, isolated)
         (self.submit or lanes.submit)(self.worker, ledger, by_lane, keyless, isolated, scope)
@@ -211,6 +218,15 @@ class Admission:
         await self.settle.dead_letter(ledger, d, reason)
         if self.observer is not None:
             self.observer.dropped(d, "dead_letter", reason.get(DLQ_REASON))
+
+    def _expired(self, ledger: Ledger, expired: list[Delivery]) -> None:
+        """Ack requests whose deadline passed unrun (their requester gave up: no reply), counted and logged."""
+        self.wiring.stats.expired += len(expired)
+        ledger.queue_acks(expired)
+        for d in expired:
+            self.wiring.log.warning("request not run: its deadline passed before it started", message_id=d.message_id)
+            if self.observer is not None:
+                self.observer.dropped(d, "duplicate", "request deadline passed")
 
     def _dropped_duplicates(self, ledger: Ledger, checked: list[Delivery], runnable: list[Delivery]) -> None:
         """Report the Redis inbox's duplicates among ``checked`` (acked, never run): a short span

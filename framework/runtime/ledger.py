@@ -45,6 +45,7 @@ class ConsumerStats:
     retried: int = 0
     dead_lettered: int = 0
     duplicates: int = 0
+    expired: int = 0  # requests whose deadline passed before their handler started: acked unrun
     handler_seconds: float = 0.0
 
 
