@@ -16,10 +16,12 @@ a facade forwarding to role objects:
 from __future__ import annotations
 
 from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, REDIS, REPLIES, SCHEDULING, STATE
+from broker.operators import DEAD_LETTER_PAGES, WORKERS
 from broker.redis.administration import Administration
 from broker.redis.inspect import Inspection
 from broker.redis.intake import Intake
 from broker.redis.leases import Leases
+from broker.redis.operators import Operators
 from broker.redis.publishing import Publishing
 from broker.redis.reading import Reading
 from broker.redis.replies import Replies
@@ -38,12 +40,15 @@ ROLES: tuple[type, ...] = (
     Leases,
     Inspection,
     Replies,
+    Operators,
 )
 """The role mixins :class:`RedisBroker` is made of (topology comes in through four of them; leases
 and the leased read build on reading, state on scheduling)."""
 
 
-class RedisBroker(Publishing, Leases, Intake, Reading, Settlement, StateStorage, Administration, Inspection, Replies):
+class RedisBroker(
+    Publishing, Leases, Intake, Reading, Settlement, StateStorage, Administration, Inspection, Replies, Operators
+):
     """Broker on Redis Streams. Use :func:`broker.connect` to build one from a URL.
 
     One instance is safe to share between tasks of one event loop (not between threads or event
@@ -54,4 +59,17 @@ class RedisBroker(Publishing, Leases, Intake, Reading, Settlement, StateStorage,
     """
 
     transport = "redis"
-    capabilities = frozenset({INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, INTROSPECTION, STATE, REDIS, REPLIES})
+    capabilities = frozenset(
+        {
+            INBOX,
+            OWNERSHIP,
+            SCHEDULING,
+            DEAD_LETTER_ADMIN,
+            INTROSPECTION,
+            STATE,
+            REDIS,
+            REPLIES,
+            WORKERS,
+            DEAD_LETTER_PAGES,
+        }
+    )

@@ -32,6 +32,8 @@ MULTI that touch a stream and its group keys stay on one Cluster node::
                                                        ms the lease ends / was acquired
     <ns>:members:<dest>:<group>                zset    live instances of the group on the destination (members.lua):
                                                        member = instance, score = server ms its heartbeat ends
+    <ns>:workers                               hash    worker processes' heartbeats (worker_beat.lua): name ->
+                                                       "<server ms seen>|<ttl ms>|<JSON groups and info>"
     <ns>:{<dest>:<p>}:scheduled                zset    scheduled messages (broker/redis/scheduling.py): member =
                                                        message id, score = due ms
     <ns>:{<dest>:<p>}:scheduled:envelopes      hash    message id -> cmsgpack of the entry's field/value list
@@ -233,6 +235,11 @@ class KeySpace:
     def scheduled_index(self) -> str:
         """Zset of the partitions holding scheduled messages ("<dest>|<p>" -> earliest due ms, a hint)."""
         return f"{self.namespace}:scheduled"
+
+    @property
+    def workers(self) -> str:
+        """Hash of worker processes' heartbeats (worker_beat.lua): name -> "<seen ms>|<ttl ms>|<JSON>"."""
+        return f"{self.namespace}:workers"
 
     def members(self, destination: str, group: str) -> str:
         """Zset of the live instances of ``group`` on ``destination`` (partition ownership)."""

@@ -41,6 +41,7 @@ _NAMES = (
     "read_hashes",
     "reply_open",
     "reply_send",
+    "worker_beat",
 )
 
 

@@ -1,5 +1,7 @@
 """``framework status [DESTINATION ...]``: destinations, partitions, groups, depth, pending and lag.
 
+``workers`` counts each group's live workers from their heartbeats (``--json``: ``live_workers``,
+and ``workers`` with each one's last-seen time; a stopped worker is listed as gone, not counted).
 ``scheduled`` counts a destination's messages sent with a delay or a due time and not yet due
 (``framework schedule list`` shows them).
 
@@ -24,9 +26,9 @@ from typing import Any
 import anyio
 
 from broker import connect
-from broker.capabilities import as_introspection
 from broker.introspection import DestinationState
 from framework.cli.common import UsageError, connection_options, print_json
+from framework.operations.overview import Overview, load_overview
 from framework.settings import inbox_memory_budget, parse_bytes
 
 __all__ = ["over_budget", "register"]
@@ -54,21 +56,22 @@ def over_budget(states: list[DestinationState], budget: int) -> list[str]:
 def show_status(args: argparse.Namespace) -> int:
     """Print the state of every declared destination (or of those named)."""
 
-    async def collect() -> list[DestinationState]:
+    async def collect() -> Overview:
         broker = await connect(args.redis_url, namespace=args.namespace)
         try:
-            return await as_introspection(broker).describe(args.destinations or None)
+            return await load_overview(broker, args.destinations or None)
         finally:
             await broker.close()
 
     try:
         budget = parse_bytes(args.inbox_budget) if args.inbox_budget else inbox_memory_budget()
-        states = anyio.run(collect)
+        overview = anyio.run(collect)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    states = overview.states
     warnings = over_budget(states, budget)
     if args.json:
-        print_json([s.to_json() for s in states])
+        print_json(overview.destinations_json())
         for line in warnings:
             print(line, file=sys.stderr)
         return 0
@@ -78,7 +81,7 @@ def show_status(args: argparse.Namespace) -> int:
     if not states:
         console.print("no destinations declared yet (publish a message or run a service first)")
     else:
-        console.print(_table(states, args.namespace or os.environ.get("FRAMEWORK_NAMESPACE") or "fw"))
+        console.print(_table(overview, args.namespace or os.environ.get("FRAMEWORK_NAMESPACE") or "fw"))
         owners = _owners_table(states)
         if owners is not None:
             console.print(owners)
@@ -87,8 +90,11 @@ def show_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table(states: list[DestinationState], namespace: str) -> Any:
-    """One row per destination and group; a destination's own columns only on its first row."""
+def _table(overview: Overview, namespace: str) -> Any:
+    """One row per destination and group; a destination's own columns only on its first row.
+
+    ``workers`` counts the group's live workers (heartbeats; ``status --json`` lists each with its
+    last-seen time), not every consumer name the server ever saw."""
     from rich.table import Table
 
     table = Table(title=f"destinations (namespace {namespace})")
@@ -99,7 +105,7 @@ def _table(states: list[DestinationState], namespace: str) -> Any:
         "depth",
         "scheduled",
         "group",
-        "consumers",
+        "workers",
         "pending",
         "lag",
         "delayed",
@@ -108,8 +114,8 @@ def _table(states: list[DestinationState], namespace: str) -> Any:
     )
     for col in cols:
         table.add_column(col, justify="right" if col not in ("destination", "kind", "group") else "left")
-    for s in states:
-        groups = s.to_json()["groups"] or [None]
+    for s, data in zip(overview.states, overview.destinations_json(), strict=True):
+        groups = data["groups"] or [None]
         for i, g in enumerate(groups):
             head = (
                 [
@@ -125,7 +131,7 @@ def _table(states: list[DestinationState], namespace: str) -> Any:
             tail = (
                 [
                     g["group"],
-                    str(g["consumers"]),
+                    str(g["live_workers"]),
                     str(g["pending"]),
                     str(g["lag"]),
                     str(g["delayed"]),

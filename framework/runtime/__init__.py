@@ -41,6 +41,7 @@ from framework.runtime.batch import consumer_for
 from framework.runtime.consumer import Consumer
 from framework.runtime.identity import ConsumerIdentity
 from framework.runtime.lanes import LanePool
+from framework.runtime.presence import Presence
 from framework.runtime.requirements import check_requirements
 from framework.runtime.scheduler import Scheduler
 from framework.runtime.supervisor import is_connection_error
@@ -182,6 +183,11 @@ class Runtime:
         assert self._stop is not None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.lanes.run)
+            groups = [(c.handler.destination.name, c.handler.service) for c in self.consumers]
+            presence = Presence(
+                self.broker, self.consumer_name, groups, self.settings.lease_ttl, [s.name for s in self.services]
+            )
+            tg.start_soon(presence.run)
             if SCHEDULING in self.broker.capabilities:  # scheduled messages, recurring jobs
                 tg.start_soon(Scheduler(self.broker, self.services).run)
             for consumer in self.consumers:
@@ -197,6 +203,7 @@ class Runtime:
             task_status.started(self)
             await self._stop.wait()
             await self._shutdown()
+            await presence.leave()
             tg.cancel_scope.cancel()
 
     async def _outbox_engine(self) -> Any:
