@@ -27,8 +27,9 @@ the ``hooks`` switches, log context) and ``logconfig`` -> the database ``outbox`
 -> handler effects (``group_commit``, ``effects``) and the requester (``requests``) -> the
 handler ``context`` and ``middleware``
 -> ``saga`` -> ``service`` -> ``client``, ``inbox``, ``dead_letters`` and the actor ``runtime``
--> the operators' ``operations`` and ``dashboard`` -> ``testing``, ``cli`` and this module. A lower module that needs a higher one's object gets it
-passed in, typed by a small Protocol of its own (``_sql_block.SqlRun`` for the context,
+-> the operators' ``operations`` and ``dashboard`` -> ``testing``, ``cli`` and this module. A lower
+module that needs a higher one's object gets it passed in, typed by a small Protocol of its own
+(``_sql_block.SqlRun`` for the context,
 ``saga.steps.SagaService`` for the service, ``runtime.ownership.PartitionRunner`` for the consumer).
 """
 

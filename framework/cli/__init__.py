@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from framework.cli import asyncapi, dead_letters, destinations, outbox, produce, run, schedule, server, status
+from framework.cli import dashboard as dashboard_cli
 from framework.cli.args import log_level
 from framework.cli.common import Parser, run_command
 from framework.logconfig import configure_logging
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the order of `framework --help`
     for group in (run, status, produce, server, dead_letters, destinations, outbox, schedule, asyncapi):
         group.register(commands)
+    dashboard_cli.register(commands)
     return parser
 
 

@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 import anyio
 import attrs
 
-from broker import Broker, GroupPartition
+from broker import Broker
 from broker.capabilities import as_dead_letter_admin, as_scheduler
 from framework.logs import get_logger
-from framework.operations.dead_letters import DeadLetterFilter, scan
+from framework.operations.dead_letters import DeadLetterFilter, scan, view_of_ref
 
 __all__ = ["ActionResult", "audit", "cancel_scheduled", "frozen_refs", "purge", "redrive"]
 
@@ -42,18 +42,6 @@ def audit(who: str, action: str, **what: object) -> None:
     _audit.warning("operator action", who=who, action=action, **what)
 
 
-async def _view(broker: Broker, ref: str) -> tuple[GroupPartition, str]:
-    parts = ref.split("/")
-    if len(parts) < 4 or not parts[-3].isdigit():
-        raise ValueError(f"not a dead-letter ref: {ref!r} (want destination/partition/group/entry-id)")
-    entry_id, group, partition = parts[-1], parts[-2], int(parts[-3])
-    destination = "/".join(parts[:-3])
-    spec = await broker.get_destination(destination)
-    if spec is None or partition >= spec.partitions:
-        raise ValueError(f"no destination {destination!r} with partition {partition} (ref {ref!r})")
-    return broker.group_partition(spec, partition, group), entry_id
-
-
 async def frozen_refs(broker: Broker, f: DeadLetterFilter, upto: str) -> list[str]:
     """Refs of every dead letter the filter selects that is no newer than ``upto`` (the page's bound)."""
     return [d.ref async for d, _, _ in scan(broker, f, upto=upto) if d is not None]
@@ -71,7 +59,7 @@ async def redrive(
     admin = as_dead_letter_admin(broker)
     moved = 0
     for done, ref in enumerate(refs, start=1):
-        view, entry_id = await _view(broker, ref)
+        view, entry_id = await view_of_ref(broker, ref)
         if await admin.redrive(view, entry_id) is not None:
             moved += 1
             if rate:
@@ -90,7 +78,7 @@ async def purge(
     admin = as_dead_letter_admin(broker)
     removed = 0
     for done, ref in enumerate(refs, start=1):
-        view, entry_id = await _view(broker, ref)
+        view, entry_id = await view_of_ref(broker, ref)
         removed += await admin.purge_dead_letters(view, [entry_id])
         if progress is not None and (done % 100 == 0 or done == len(refs)):
             progress(done, len(refs))

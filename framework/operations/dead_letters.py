@@ -23,7 +23,17 @@ from broker.capabilities import as_dead_letter_admin
 from broker.operators import DEAD_LETTER_PAGES, DeadLetterPages
 from framework.dead_letters import DeadLetter
 
-__all__ = ["DeadLetterClass", "DeadLetterFilter", "DeadLetterPage", "classes", "dead_letter_views", "page", "scan"]
+__all__ = [
+    "DeadLetterClass",
+    "DeadLetterFilter",
+    "DeadLetterPage",
+    "classes",
+    "dead_letter_views",
+    "get_dead_letter",
+    "page",
+    "scan",
+    "view_of_ref",
+]
 
 _BATCH = 200  # entries read per stream and round trip
 _NUMBERS = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F-]{27,}|0x[0-9a-fA-F]+|\d+(\.\d+)?")
@@ -112,6 +122,29 @@ async def dead_letter_views(broker: Broker, f: DeadLetterFilter) -> list[GroupPa
         if spec is not None:
             views += [broker.group_partition(spec, p, grp) for p in range(spec.partitions)]
     return views
+
+
+async def view_of_ref(broker: Broker, ref: str) -> tuple[GroupPartition, str]:
+    """The DLQ and entry id a ref names (ValueError when it names none)."""
+    parts = ref.split("/")
+    if len(parts) < 4 or not parts[-3].isdigit():
+        raise ValueError(f"not a dead-letter ref: {ref!r} (want destination/partition/group/entry-id)")
+    entry_id, group, partition = parts[-1], parts[-2], int(parts[-3])
+    destination = "/".join(parts[:-3])
+    spec = await broker.get_destination(destination)
+    if spec is None or partition >= spec.partitions:
+        raise ValueError(f"no destination {destination!r} with partition {partition} (ref {ref!r})")
+    return broker.group_partition(spec, partition, group), entry_id
+
+
+async def get_dead_letter(broker: Broker, ref: str) -> DeadLetter:
+    """The dead letter a ref names, read directly (KeyError when it is gone)."""
+    view, entry_id = await view_of_ref(broker, ref)
+    stream = _Stream(broker, view, entry_id, entry_id)
+    await stream.fill()
+    if not stream.buf or stream.buf[0][0] != entry_id:
+        raise KeyError(f"no dead letter {ref!r} (redriven or purged meanwhile?)")
+    return DeadLetter.from_entry(view, *stream.buf[0])
 
 
 class _Stream:
@@ -222,9 +255,9 @@ async def page(
     return DeadLetterPage(items, last if more else None, upto, scanned)
 
 
-async def classes(broker: Broker, f: DeadLetterFilter, *, upto: str | None = None, budget: int = 2000) -> tuple[
-    list[DeadLetterClass], int
-]:
+async def classes(
+    broker: Broker, f: DeadLetterFilter, *, upto: str | None = None, budget: int = 2000
+) -> tuple[list[DeadLetterClass], int]:
     """The classes of the newest ``budget`` dead letters the filter selects, largest first; and how
     many entries were looked at (the classes cover only those when the DLQs hold more)."""
     counts: Counter[tuple[str, str, str, str, str]] = Counter()
