@@ -2,8 +2,9 @@
 
 * ``workers`` (:class:`WorkerRegistry`): every worker process beats a heartbeat (server time) naming
   the (destination, group) pairs it consumes; ``framework status`` and the dashboard count the live
-  ones and show when each was last seen. A worker that stopped leaves at once; one that was killed
-  is shown as gone once its heartbeat is older than its ``ttl_ms``. Unlike the server's consumer
+  ones and show when each was last seen. A worker that stopped is marked gone at once; one that was
+  killed is shown as gone once its heartbeat is older than its ``ttl_ms``; both are forgotten an
+  hour after their last beat. Unlike the server's consumer
   list (``XINFO CONSUMERS``: every name that ever read, with idle times an AOF reload resets), a
   heartbeat says who runs now.
 * ``dead_letter_pages`` (:class:`DeadLetterPages`): one group's dead letters on one partition,
@@ -68,7 +69,7 @@ class WorkerRegistry(Protocol):
         ...
 
     async def leave_worker(self, name: str) -> None:
-        """Remove worker ``name`` (a graceful stop)."""
+        """Mark worker ``name`` gone now (a graceful stop: listed as gone, not counted)."""
         ...
 
     async def workers(self) -> list[WorkerBeat]:

@@ -31,7 +31,7 @@ class Operators(Topology):
         await self.scripts["worker_beat"](self.redis, [self.keyspace.workers], [name, int(ttl_ms), payload])
 
     async def leave_worker(self, name: str) -> None:
-        """Remove worker ``name`` (a graceful stop)."""
+        """Mark worker ``name`` gone now (a graceful stop); it is forgotten an hour later."""
         await self.scripts["worker_beat"](self.redis, [self.keyspace.workers], [name, 0, ""])
 
     async def workers(self) -> list[WorkerBeat]:

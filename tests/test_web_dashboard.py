@@ -1,0 +1,242 @@
+"""The operators' dashboard in a real headless Chromium, on an embedded Valkey, with real workers.
+
+A poison message shows under its group with its reason; a redrive from the page makes the fixed
+handler process it; a bulk purge removes exactly the entries the page showed, not one that came
+after; a read-only dashboard refuses every action; a request without the token is refused off
+loopback; a cross-origin POST is refused. The tests write the screenshots of docs/dashboard.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from framework import SyncClient
+from framework.dashboard import create_app
+from tests.conftest import run_cli
+from tests.dashboard_support import SHOTS, Served, chromium_or_skip, dead_letters, outside_address
+from tests.workers import Workers, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    path = chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def serve(redis_url: str, namespace: str) -> Iterator[Any]:
+    served: list[Served] = []
+
+    def start(host: str = "127.0.0.1", **options: Any) -> Served:
+        s = Served(create_app(redis_url, namespace, **options), host=host)
+        served.append(s)
+        return s
+
+    yield start
+    for s in served:
+        s.close()
+
+
+def _charge(redis_url: str, namespace: str, *order_ids: str) -> None:
+    with SyncClient(redis_url, namespace=namespace) as client:
+        for oid in order_ids:
+            client.send("dash.charges", {"order_id": oid, "card_number": "4111111111111111", "amount_cents": 1250})
+
+
+def _worker(workers: Workers, tmp_path: Path, name: str, fixed: bool) -> subprocess.Popen[bytes]:
+    env = {"DASH_DONE": str(tmp_path / "done.txt"), **({"DASH_FIXED": "1"} if fixed else {})}
+    return workers.start("dashapp:payments", name, **env)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()  # SIGTERM: a graceful stop (the worker leaves its heartbeat)
+    proc.wait(30)
+
+
+def test_poison_shows_with_its_reason_and_a_redrive_from_the_page_is_processed(
+    browser: Any, serve: Any, workers: Workers, redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    broken = _worker(workers, tmp_path, "w-broken", fixed=False)
+    _charge(redis_url, namespace, "o-1")
+    wait_for(lambda: len(dead_letters(redis_url, namespace)) == 1, 30, "the poison message to be dead-lettered")
+    app = serve(actions=True)
+    page = browser.new_page(viewport={"width": 1300, "height": 800})
+    page.goto(app.url + "/")
+    row = page.locator('#services tr[data-group="payments"]')
+    assert row.locator(".live-workers").inner_text() == "1"
+    assert page.locator('#workers tr[data-worker="w-broken"]').inner_text().startswith("w-broken\tlive")
+    page.screenshot(path=str(SHOTS / "dashboard-overview.png"), full_page=True)
+
+    _stop(broken)  # a stopped worker is shown as gone, not counted
+    page.goto(app.url + "/")
+    assert page.locator('#services tr[data-group="payments"] .live-workers').inner_text() == "0"
+    assert "gone" in page.locator('#workers tr[data-worker="w-broken"]').inner_text()
+
+    page.goto(app.url + "/dead-letters")
+    entry = page.locator("#entries tbody tr")
+    assert entry.count() == 1
+    assert "dash.charges / payments" in entry.inner_text()
+    assert "card declined for order o-1" in entry.inner_text()
+    assert "CardDeclined" in page.locator("#classes").inner_text()
+    page.screenshot(path=str(SHOTS / "dashboard-dead-letters.png"), full_page=True)
+
+    entry.locator("a").click()
+    assert "card declined for order o-1" in page.locator("#reason").inner_text()
+    body = page.locator("#body").inner_text()
+    assert "4111111111111111" not in body and "[redacted]" in body and "o-1" in body
+    page.screenshot(path=str(SHOTS / "dashboard-message.png"), full_page=True)
+
+    _worker(workers, tmp_path, "w-fixed", fixed=True)
+    page.locator("#redrive-one").click()
+    assert page.locator("#count").get_attribute("data-count") == "1"
+    page.locator("#confirm").click()
+    page.wait_for_selector('#job[data-finished="yes"]', timeout=20_000)
+    assert "done: 1 of 1 redriven" in page.locator("#result").inner_text()
+    page.screenshot(path=str(SHOTS / "dashboard-job.png"), full_page=True)
+    done = tmp_path / "done.txt"
+    wait_for(lambda: done.exists() and done.read_text().split() == ["o-1"], 30, "the fixed handler to process o-1")
+    assert dead_letters(redis_url, namespace) == []
+
+
+def test_bulk_purge_removes_exactly_the_entries_shown(
+    browser: Any, serve: Any, workers: Workers, redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    _worker(workers, tmp_path, "w-broken", fixed=False)
+    _charge(redis_url, namespace, "a-1", "a-2", "a-3")
+    wait_for(lambda: len(dead_letters(redis_url, namespace)) == 3, 30, "three dead letters")
+    app = serve(actions=True)
+    page = browser.new_page(viewport={"width": 1300, "height": 800})
+    page.goto(app.url + "/dead-letters?group=payments")
+    shown = set(page.locator("#entries tbody tr").evaluate_all("rows => rows.map(r => r.dataset.messageId)"))
+    assert len(shown) == 3
+    _charge(redis_url, namespace, "b-1", "b-2")  # after the page loaded: not part of what was shown
+    wait_for(lambda: len(dead_letters(redis_url, namespace)) == 5, 30, "five dead letters")
+    page.locator("#purge-all").click()
+    assert page.locator("#count").get_attribute("data-count") == "3"
+    page.screenshot(path=str(SHOTS / "dashboard-confirm.png"), full_page=True)
+    page.locator("#confirm").click()
+    page.wait_for_selector('#job[data-finished="yes"]', timeout=20_000)
+    assert "done: 3 of 3 purged" in page.locator("#result").inner_text()
+    left = dead_letters(redis_url, namespace)
+    assert sorted(json.loads(d.body)["order_id"] for d in left) == ["b-1", "b-2"]
+    assert not shown & {d.message_id for d in left}
+
+
+def _csrf(html: str) -> str:
+    m = re.search(r'name="csrf" value="([0-9a-f]+)"', html)
+    assert m, "no CSRF token on the page"
+    return m.group(1)
+
+
+def test_a_read_only_dashboard_refuses_every_action(
+    serve: Any, workers: Workers, redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    _worker(workers, tmp_path, "w-broken", fixed=False)
+    _charge(redis_url, namespace, "r-1")
+    wait_for(lambda: len(dead_letters(redis_url, namespace)) == 1, 30, "a dead letter")
+    ref = dead_letters(redis_url, namespace)[0].ref
+    app = serve(actions=False)
+    html = httpx.get(app.url + "/dead-letters").text
+    assert "r-1" in html or "card declined" in html
+    assert "Redrive" not in html and "Purge" not in html
+    origin = {"origin": app.url}
+    for path, form in (
+        ("/dead-letters/confirm", {"action": "purge", "refs": ref}),
+        ("/dead-letters/apply", {"action": "purge", "refs": ref}),
+        ("/dead-letters/apply", {"action": "redrive", "refs": ref}),
+        ("/scheduled/cancel", {"id": "x"}),
+    ):
+        r = httpx.post(app.url + path, data=form, headers=origin)
+        assert r.status_code == 403 and "read-only" in r.text, (path, r.status_code, r.text)
+    for method in ("PUT", "DELETE", "PATCH"):
+        assert httpx.request(method, app.url + "/dead-letters/apply").status_code in (403, 405)
+    assert [d.ref for d in dead_letters(redis_url, namespace)] == [ref]
+
+
+def test_cross_origin_and_tokenless_posts_are_refused(
+    serve: Any, workers: Workers, redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    _worker(workers, tmp_path, "w-broken", fixed=False)
+    _charge(redis_url, namespace, "c-1")
+    wait_for(lambda: len(dead_letters(redis_url, namespace)) == 1, 30, "a dead letter")
+    ref = dead_letters(redis_url, namespace)[0].ref
+    app = serve(actions=True)
+    page = httpx.get(app.url + "/dead-letters")
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert "'unsafe-inline'" not in page.headers["content-security-policy"]
+    csrf = _csrf(page.text)
+    form = {"action": "purge", "refs": ref, "csrf": csrf}
+    evil = httpx.post(app.url + "/dead-letters/apply", data=form, headers={"origin": "http://evil.example"})
+    assert evil.status_code == 403 and "dashboard's pages" in evil.text
+    cross = httpx.post(
+        app.url + "/dead-letters/apply", data=form, headers={"origin": app.url, "sec-fetch-site": "cross-site"}
+    )
+    assert cross.status_code == 403
+    no_origin = httpx.post(app.url + "/dead-letters/apply", data=form)
+    assert no_origin.status_code == 403
+    no_csrf = httpx.post(app.url + "/dead-letters/apply", data={**form, "csrf": ""}, headers={"origin": app.url})
+    assert no_csrf.status_code == 403 and "CSRF" in no_csrf.text
+    assert [d.ref for d in dead_letters(redis_url, namespace)] == [ref]  # nothing was purged
+    ok = httpx.post(app.url + "/dead-letters/confirm", data=form, headers={"origin": app.url})
+    assert ok.status_code == 200 and 'data-count="1"' in ok.text
+
+
+def test_off_loopback_a_request_without_the_token_is_refused(serve: Any, redis_url: str, namespace: str) -> None:
+    refused = run_cli("dashboard", "--host", "0.0.0.0", "--broker-url", redis_url, "--namespace", namespace)
+    assert refused.returncode == 2 and "without an access token" in refused.stderr
+    addr = outside_address()
+    if addr is None:
+        pytest.skip("this machine has no address but loopback")
+    open_app = serve(host="0.0.0.0")
+    r = httpx.get(f"http://{addr}:{open_app.port}/")
+    assert r.status_code == 403 and "loopback" in r.text
+    token = "t0ken-" + "x" * 20
+    guarded = serve(host="0.0.0.0", token=token)
+    outside = f"http://{addr}:{guarded.port}"
+    assert httpx.get(outside + "/").status_code == 401
+    assert httpx.get(outside + "/", headers={"authorization": "Bearer wrong"}).status_code == 401
+    ok = httpx.get(outside + "/", headers={"authorization": f"Bearer {token}"})
+    assert ok.status_code == 200 and "Overview" in ok.text
+    with httpx.Client(base_url=outside, follow_redirects=True) as browser_like:
+        assert browser_like.get(f"/dead-letters?token={token}").status_code == 200  # the cookie it sets
+        assert browser_like.get("/").status_code == 200
+
+
+def test_status_json_counts_live_workers_from_heartbeats(
+    serve: Any, workers: Workers, redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    proc = _worker(workers, tmp_path, "w-one", fixed=True)
+    env = {"REDIS_URL": redis_url, "FRAMEWORK_NAMESPACE": namespace}
+
+    def group() -> dict[str, Any]:
+        out = run_cli("status", "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        dest = [d for d in json.loads(out.stdout) if d["name"] == "dash.charges"]
+        return dest[0]["groups"][0] if dest and dest[0]["groups"] else {}
+
+    wait_for(lambda: group().get("live_workers") == 1, 30, "one live worker")
+    g = group()
+    assert [w["name"] for w in g["workers"]] == ["w-one"] and g["workers"][0]["alive"]
+    assert g["workers"][0]["last_seen_ago_s"] < 10 and g["workers"][0]["last_seen"].endswith("+00:00")
+    app = serve()
+    api = httpx.get(app.url + "/api/overview").json()
+    assert [x["groups"] for x in api["destinations"] if x["name"] == "dash.charges"][0][0]["live_workers"] == 1
+    _stop(proc)
+    g = group()
+    assert g["live_workers"] == 0  # not "consumers 1" with every worker stopped
+    assert g["workers"][0]["name"] == "w-one" and not g["workers"][0]["alive"]
