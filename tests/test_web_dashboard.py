@@ -235,7 +235,8 @@ def test_status_json_counts_live_workers_from_heartbeats(
     assert g["workers"][0]["last_seen_ago_s"] < 10 and g["workers"][0]["last_seen"].endswith("+00:00")
     app = serve()
     api = httpx.get(app.url + "/api/overview").json()
-    assert [x["groups"] for x in api["destinations"] if x["name"] == "dash.charges"][0][0]["live_workers"] == 1
+    groups = next(x["groups"] for x in api["destinations"] if x["name"] == "dash.charges")
+    assert groups[0]["live_workers"] == 1
     _stop(proc)
     g = group()
     assert g["live_workers"] == 0  # not "consumers 1" with every worker stopped

@@ -30,7 +30,7 @@ payments = Service("payments")
 
 
 @payments.command(CHARGES, retry=RetryPolicy(max_attempts=1, fatal=(CardDeclined,)))
-async def charge(cmd: Charge, ctx: Context) -> None:
+def charge(cmd: Charge, ctx: Context) -> None:  # sync: runs in a worker thread
     if not os.environ.get("DASH_FIXED"):
         raise CardDeclined(f"card declined for order {cmd.order_id}")
     with open(os.environ["DASH_DONE"], "a") as f:
