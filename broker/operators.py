@@ -17,13 +17,21 @@ Redis declares both; a transport without them is served by the fallbacks in
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import attrs
 
-from broker.protocol import GroupPartition
+from broker.protocol import Broker, GroupPartition
 
-__all__ = ["DEAD_LETTER_PAGES", "WORKERS", "DeadLetterPages", "WorkerBeat", "WorkerRegistry"]
+__all__ = [
+    "DEAD_LETTER_PAGES",
+    "WORKERS",
+    "DeadLetterPages",
+    "WorkerBeat",
+    "WorkerRegistry",
+    "as_dead_letter_pages",
+    "as_workers",
+]
 
 WORKERS = "workers"
 """Heartbeats of worker processes with the groups they consume (:class:`WorkerRegistry`)."""
@@ -87,3 +95,17 @@ class DeadLetterPages(Protocol):
         """At most ``count`` dead letters of ``view`` with ids from ``end`` down to ``start`` (both
         inclusive; ``(id`` exclusive, as XREVRANGE takes them), newest first: (DLQ entry id, fields)."""
         ...
+
+
+def as_workers(broker: Broker) -> WorkerRegistry:
+    """``broker`` as a :class:`WorkerRegistry`; ``TypeError`` naming the transport when it has none."""
+    if WORKERS not in broker.capabilities:
+        raise TypeError(f"the {broker.transport} transport has no {WORKERS!r} capability")
+    return cast("WorkerRegistry", broker)
+
+
+def as_dead_letter_pages(broker: Broker) -> DeadLetterPages:
+    """``broker`` as a :class:`DeadLetterPages`; ``TypeError`` naming the transport when it has none."""
+    if DEAD_LETTER_PAGES not in broker.capabilities:
+        raise TypeError(f"the {broker.transport} transport has no {DEAD_LETTER_PAGES!r} capability")
+    return cast("DeadLetterPages", broker)

@@ -107,8 +107,10 @@ def test_unsubscribe_refuses_while_a_worker_consumes_and_then_says_what_replays(
 
     auditor.send_signal(signal.SIGTERM)
     assert auditor.wait(timeout=30) == 0
-    # just stopped: still seen within --alive-within (2 minutes by default)
-    assert cli("unsubscribe", "ledger", "--group", "auditor", env=worker_env).returncode == 2
+    # stopped: its heartbeat says so at once (no --alive-within wait); only the confirmation is asked
+    stopped = cli("unsubscribe", "ledger", "--group", "auditor", env=worker_env)
+    assert stopped.returncode == 2 and "live consumers" not in stopped.stderr
+    assert "without confirmation" in stopped.stderr, stopped.stderr
 
     unconfirmed = cli("unsubscribe", "ledger", "--group", "auditor", "--force", env=worker_env)
     assert unconfirmed.returncode == 2

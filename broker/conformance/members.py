@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from broker import capabilities as caps
+from broker import operators as ops
 from broker.conformance.features import CAPABILITY_FEATURES, BrokerFactory, Features
 from broker.conformance.registry import check
 from broker.conformance.support import one_broker, raises
@@ -24,8 +25,11 @@ CAPABILITY_PROTOCOLS: dict[str, tuple[type, Callable[[Broker], Any]]] = {
     caps.STATE: (caps.StateStore, caps.as_state),
     caps.REDIS: (caps.RedisStore, caps.as_redis),
     caps.REPLIES: (caps.ReplyStore, caps.as_replies),
+    ops.WORKERS: (ops.WorkerRegistry, ops.as_workers),
+    ops.DEAD_LETTER_PAGES: (ops.DeadLetterPages, ops.as_dead_letter_pages),
 }
-"""Every capability name of :mod:`broker.capabilities`: its protocol and the function narrowing to it."""
+"""Every capability name of :mod:`broker.capabilities` and :mod:`broker.operators`: its protocol and the
+function narrowing to it."""
 
 
 def protocol_members(proto: type) -> set[str]:

@@ -1,6 +1,7 @@
 """``framework unsubscribe`` and ``framework delete``: remove a group or a destination, safely.
 
-``unsubscribe`` refuses while consumers of the group are alive and ``delete`` while a destination
+``unsubscribe`` refuses while workers of the group are alive (by their heartbeats; by the server's
+consumer list, seen within ``--alive-within``, where no heartbeat is kept) and ``delete`` while a destination
 has groups or entries (``--force`` overrides); both say what goes (and what a re-created group
 would replay) and ask for confirmation (``--yes``; without a terminal they refuse rather than ask).
 The figures come from :meth:`~broker.introspection.Introspection.group_usage` and ``destination_usage``.
@@ -20,6 +21,7 @@ from broker.capabilities import as_dead_letter_admin, as_introspection
 from broker.introspection import ConsumerSeen, DestinationUsage, GroupUsage
 from framework.cli.args import duration
 from framework.cli.common import UsageError, connection_options
+from framework.operations.overview import heartbeats_for
 
 __all__ = ["register"]
 
@@ -116,10 +118,16 @@ def unsubscribe(args: argparse.Namespace) -> int:
             if spec is None or (args.destination, args.group) not in await broker.list_subscriptions():
                 raise UsageError(f"group {args.group!r} is not subscribed to {args.destination!r}")
             usage = await as_introspection(broker).group_usage(spec, args.group)
-            live = live_consumers(usage, int(args.alive_within * 1000))
+            beats = await heartbeats_for(broker, args.destination, args.group)  # who runs now, if known
+            if beats is not None:
+                live = [ConsumerSeen(w.name, w.ago_ms, 0) for w in beats if w.alive]
+                live_line = ", ".join(f"{c.name} (seen {c.idle_ms / 1000:.1f} s ago by its heartbeat)" for c in live)
+            else:  # no heartbeats: the server's consumers seen recently
+                live = live_consumers(usage, int(args.alive_within * 1000))
+                live_line = live_text(live)
             if live and not args.force:
                 raise UsageError(
-                    f"group {args.group!r} on {args.destination!r} has live consumers: {live_text(live)}; "
+                    f"group {args.group!r} on {args.destination!r} has live consumers: {live_line}; "
                     "stop its workers first (they would crash on the missing group, and a restarted worker "
                     "creates it again), or pass --force"
                 )
@@ -183,7 +191,8 @@ def register(sub: Any) -> None:
         type=duration,
         default=ALIVE_WITHIN,
         metavar="DURATION",
-        help="a consumer seen this recently (or holding pending entries) counts as alive (default 2m)",
+        help="where workers keep no heartbeat: a consumer seen this recently (or holding pending entries) "
+        "counts as alive (default 2m)",
     )
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation (what goes and what replays)")
     connection_options(p)

@@ -14,13 +14,12 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import cast
 
 import attrs
 
 from broker import Broker, GroupPartition
 from broker.capabilities import as_dead_letter_admin
-from broker.operators import DEAD_LETTER_PAGES, DeadLetterPages
+from broker.operators import DEAD_LETTER_PAGES, as_dead_letter_pages
 from framework.dead_letters import DeadLetter
 
 __all__ = [
@@ -159,7 +158,7 @@ class _Stream:
         if self.buf or self.done:
             return
         if DEAD_LETTER_PAGES in self.broker.capabilities:
-            pages = cast("DeadLetterPages", self.broker)
+            pages = as_dead_letter_pages(self.broker)
             rows = await pages.dead_letter_page(self.view, end=self.end, start=self.start, count=_BATCH)
             self.done = len(rows) < _BATCH
         else:  # no pages: the whole DLQ once, bounded here

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 import attrs
 
 from broker import Broker
 from broker.capabilities import SCHEDULING, as_introspection, as_scheduler
 from broker.introspection import DestinationState
-from broker.operators import WORKERS, WorkerBeat, WorkerRegistry
+from broker.operators import WORKERS, WorkerBeat, as_workers
 
-__all__ = ["Overview", "iso_ms", "load_overview", "worker_json"]
+__all__ = ["Overview", "heartbeats_for", "iso_ms", "load_overview", "worker_json"]
 
 
 def iso_ms(ms: int) -> str:
@@ -93,6 +93,16 @@ class Overview:
 async def load_overview(broker: Broker, names: Sequence[str] | None = None) -> Overview:
     """Read the overview from ``broker`` (only ``names`` when given; ValueError naming unknown ones)."""
     states = await as_introspection(broker).describe(list(names) if names else None)
-    workers = await cast("WorkerRegistry", broker).workers() if WORKERS in broker.capabilities else None
+    workers = await as_workers(broker).workers() if WORKERS in broker.capabilities else None
     scheduled = await as_scheduler(broker).count_scheduled() if SCHEDULING in broker.capabilities else 0
     return Overview(broker.namespace, broker.transport, states, workers, scheduled)
+
+
+async def heartbeats_for(broker: Broker, destination: str, group: str) -> list[WorkerBeat] | None:
+    """The workers whose heartbeats say they consume ``group`` on ``destination`` (live or gone);
+    None when the transport keeps no heartbeats or no worker of the group has beaten yet (workers
+    of an earlier version): callers then fall back on the server's consumer list."""
+    if WORKERS not in broker.capabilities:
+        return None
+    beats = [w for w in await as_workers(broker).workers() if (destination, group) in w.groups]
+    return beats or None
