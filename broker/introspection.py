@@ -98,7 +98,9 @@ class GroupState:
     ``lag`` counts entries not yet delivered to the group (including its redeliver stream);
     ``pending`` counts delivered, unacknowledged ones; ``delayed`` waits in the retry path;
     ``lease`` is the partition's owner in the group (None unless the partition is owned: see
-    ``framework.runtime.ownership``; filled by :func:`describe`).
+    ``framework.runtime.ownership``; filled by :func:`describe`); ``delivered`` counts entries of
+    the partition delivered to the group so far (Redis's ``entries-read``; 0 where the transport
+    cannot tell), whose growth between two reads is the group's throughput.
     """
 
     group: str
@@ -109,6 +111,7 @@ class GroupState:
     dead_letters: int
     inbox: InboxMemory = InboxMemory()
     lease: LeaseView | None = None
+    delivered: int = 0
 
     @property
     def idle(self) -> bool:
@@ -163,10 +166,19 @@ def _group_totals(state: DestinationState) -> list[dict[str, Any]]:
     for p in state.partitions:
         for g in p.groups:
             t = totals.setdefault(
-                g.group, {"group": g.group, "consumers": 0, "pending": 0, "lag": 0, "delayed": 0, "dead_letters": 0}
+                g.group,
+                {
+                    "group": g.group,
+                    "consumers": 0,
+                    "pending": 0,
+                    "lag": 0,
+                    "delayed": 0,
+                    "dead_letters": 0,
+                    "delivered": 0,
+                },
             )
             t["consumers"] = max(t["consumers"], g.consumers)
-            for k in ("pending", "lag", "delayed", "dead_letters"):
+            for k in ("pending", "lag", "delayed", "dead_letters", "delivered"):
                 t[k] += getattr(g, k)
             t["_inbox"] = t.get("_inbox", InboxMemory()) + g.inbox
     for t in totals.values():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,10 @@ def _charge(redis_url: str, namespace: str, *order_ids: str) -> None:
 
 def _worker(workers: Workers, tmp_path: Path, name: str, fixed: bool) -> subprocess.Popen[bytes]:
     env = {"DASH_DONE": str(tmp_path / "done.txt"), **({"DASH_FIXED": "1"} if fixed else {})}
-    return workers.start("dashapp:payments", name, **env)
+    proc = workers.start("dashapp:payments", name, **env)
+    # (it declares dash.charges with its 2 partitions: a send before would declare it with 1)
+    wait_for(lambda: "runtime started" in workers.log(name), 30, f"worker {name} to start")
+    return proc
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -80,6 +84,8 @@ def test_poison_shows_with_its_reason_and_a_redrive_from_the_page_is_processed(
     row = page.locator('#services tr[data-group="payments"]')
     assert row.locator(".live-workers").inner_text() == "1"
     assert page.locator('#workers tr[data-worker="w-broken"]').inner_text().startswith("w-broken\tlive")
+    owners = page.locator("#owners tbody tr")
+    assert owners.count() == 2 and all("w-broken" in t for t in owners.all_inner_texts())  # both partitions
     page.screenshot(path=str(SHOTS / "dashboard-overview.png"), full_page=True)
 
     _stop(broken)  # a stopped worker is shown as gone, not counted
@@ -234,6 +240,14 @@ def test_status_json_counts_live_workers_from_heartbeats(
     assert [w["name"] for w in g["workers"]] == ["w-one"] and g["workers"][0]["alive"]
     assert g["workers"][0]["last_seen_ago_s"] < 10 and g["workers"][0]["last_seen"].endswith("+00:00")
     app = serve()
+    httpx.get(app.url + "/")  # the first sample of the throughput sparkline
+    started = time.monotonic()
+    _charge(redis_url, namespace, *(f"t-{i}" for i in range(6)))
+    done = tmp_path / "done.txt"
+    wait_for(lambda: done.exists() and len(done.read_text().split()) == 6, 30, "six charges processed")
+    time.sleep(max(0.0, 2.2 - (time.monotonic() - started)))
+    rate = re.search(r"<title>throughput: ([0-9.]+)/s now", httpx.get(app.url + "/").text)
+    assert rate and float(rate.group(1)) > 0, "no throughput shown after six messages"
     api = httpx.get(app.url + "/api/overview").json()
     groups = next(x["groups"] for x in api["destinations"] if x["name"] == "dash.charges")
     assert groups[0]["live_workers"] == 1

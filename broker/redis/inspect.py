@@ -109,11 +109,13 @@ async def _lag(broker: Topology, stream: str, info: dict[str, Any], limit: int =
 
 async def group_state(broker: Topology, view: GroupPartition) -> GroupState:
     """Depth figures of ``view``'s group on its partition (main and redeliver streams)."""
-    consumers = pending = lag = 0
+    consumers = pending = lag = delivered = 0
     for stream in (view.stream, view.keys.redeliver):
         for info in await broker.stream_groups(stream):
             if _text(info["name"]) != view.group:
                 continue
+            if stream == view.stream:
+                delivered = int(info.get("entries-read") or 0)
             consumers = max(consumers, int(info.get("consumers") or 0))
             pending += int(info.get("pending") or 0)
             lag += await _lag(broker, stream, info)
@@ -122,7 +124,7 @@ async def group_state(broker: Topology, view: GroupPartition) -> GroupState:
     pipe.xlen(view.keys.dlq)
     delayed, dead = await pipe.execute()
     inbox = await inbox_memory(broker, view)
-    return GroupState(view.group, consumers, pending, lag, int(delayed), int(dead), inbox)
+    return GroupState(view.group, consumers, pending, lag, int(delayed), int(dead), inbox, delivered=delivered)
 
 
 async def _with_lease(broker: Topology, view: GroupPartition) -> GroupState:

@@ -60,16 +60,12 @@ async def overview_page(request: Request) -> Response:
     data = ov.to_json()
     st = state(request)
     st.samples.add(
-        [
-            (d["name"], g["group"], g["lag"] + g["pending"], g["dead_letters"])
-            for d in data["destinations"]
-            for g in d["groups"]
-        ]
+        [(d["name"], g["group"], g["delivered"], g["dead_letters"]) for d in data["destinations"] for g in d["groups"]]
     )
     spark = {
         (d["name"], g["group"]): (
-            sparkline(st.samples.values(d["name"], g["group"], 0), label="backlog"),
-            sparkline(st.samples.values(d["name"], g["group"], 1), label="dead letters"),
+            sparkline(st.samples.rates(d["name"], g["group"], 1), label="throughput"),
+            sparkline(st.samples.rates(d["name"], g["group"], 2), label="failures"),
         )
         for d in data["destinations"]
         for g in d["groups"]

@@ -25,7 +25,7 @@ class Charge:
     amount_cents: int
 
 
-CHARGES = Queue("dash.charges")
+CHARGES = Queue("dash.charges", partitions=2)  # owned partitions: the overview shows their owner
 payments = Service("payments")
 
 
