@@ -255,3 +255,26 @@ def test_status_json_counts_live_workers_from_heartbeats(
     g = group()
     assert g["live_workers"] == 0  # not "consumers 1" with every worker stopped
     assert g["workers"][0]["name"] == "w-one" and not g["workers"][0]["alive"]
+
+
+def test_the_overview_shows_the_outbox_backlog(serve: Any, tmp_path: Path) -> None:
+    import anyio
+
+    from framework import outbox
+
+    url = f"sqlite:///{tmp_path / 'outbox.db'}"
+
+    async def stage() -> None:
+        engine = outbox.create_engine(url)
+        await outbox.create_tables(engine)
+        async with engine.begin() as conn:
+            for i in range(3):
+                await outbox.add_command(conn, "dash.refunds", {"order_id": f"r-{i}"})
+        await engine.dispose()
+
+    anyio.run(stage)
+    html = httpx.get(serve(database_url=url).url + "/").text
+    assert re.search(r'id="outbox"[^>]*><span>3 waiting \(oldest [0-9.]+ s\)</span>', html), html
+    assert "0 refused" in html
+    missing = httpx.get(serve().url + "/").text
+    assert "no outbox database given" in missing

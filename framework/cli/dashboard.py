@@ -37,7 +37,7 @@ def serve(args: argparse.Namespace) -> int:
         )
     if token is not None and len(token) < 16:
         raise UsageError("the access token is too short: use at least 16 characters (e.g. `openssl rand -hex 24`)")
-    app = create_app(args.redis_url, args.namespace, actions=args.actions, token=token)
+    app = create_app(args.redis_url, args.namespace, actions=args.actions, token=token, database_url=args.database_url)
     where = f"http://{args.host}:{args.port}/"
     print(f"dashboard on {where} ({'actions enabled' if args.actions else 'read-only'})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
@@ -54,6 +54,11 @@ def register(sub: Any) -> None:
         "--token",
         default=None,
         help="access token every request must carry (required off loopback; default $FRAMEWORK_DASHBOARD_TOKEN)",
+    )
+    p.add_argument(
+        "--database-url",
+        default=None,
+        help="the services' outbox database, for the outbox backlog (default $DATABASE_URL; none: not shown)",
     )
     connection_options(p)
     p.set_defaults(func=serve)

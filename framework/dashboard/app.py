@@ -41,11 +41,14 @@ def create_app(
     token: str | None = None,
     broker: Broker | None = None,
     trace_url: str | None = None,
+    database_url: str | None = None,
 ) -> Any:
     """The dashboard app (read-only unless ``actions``; without ``token`` it serves loopback only).
 
     ``broker`` uses a connection the caller owns instead of opening one; ``trace_url`` (default
-    ``$FRAMEWORK_TRACE_URL``) links trace ids to a tracing UI: ``{trace_id}`` is replaced.
+    ``$FRAMEWORK_TRACE_URL``) links trace ids to a tracing UI: ``{trace_id}`` is replaced;
+    ``database_url`` (default ``$DATABASE_URL``) is the services' outbox database, whose backlog
+    the overview then shows (needs the ``sql`` extra).
     """
     templates = jinja2.Environment(
         loader=jinja2.FileSystemLoader(_HERE / "templates"), autoescape=True, undefined=jinja2.StrictUndefined
@@ -64,9 +67,21 @@ def create_app(
         opened = st.broker is None
         if opened:
             st.broker = await connect(url, namespace=namespace)
+        outbox_url = database_url or os.environ.get("DATABASE_URL")
+        if outbox_url:
+            try:
+                from framework.outbox import create_engine as outbox_engine
+
+                st.outbox_engine = outbox_engine(outbox_url)
+            except ImportError as exc:
+                st.outbox_note = f"the outbox backlog needs the sql extra ({exc.name} is missing)"
+        else:
+            st.outbox_note = "no outbox database given (--database-url or $DATABASE_URL)"
         try:
             yield
         finally:
+            if st.outbox_engine is not None:
+                await st.outbox_engine.dispose()
             if opened and st.broker is not None:
                 await st.broker.close()
                 st.broker = None

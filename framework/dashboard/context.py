@@ -27,6 +27,8 @@ class DashboardState:
     jobs: Jobs
     samples: Samples
     trace_url: str | None
+    outbox_engine: Any = None  # the services' outbox database (an SQLAlchemy async engine), when given
+    outbox_note: str | None = None  # why the outbox backlog is not shown
 
 
 def state(request: Request) -> DashboardState:

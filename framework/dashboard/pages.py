@@ -17,6 +17,7 @@ from framework.dashboard.sparklines import sparkline
 from framework.dead_letters import DeadLetters
 from framework.operations import DeadLetterFilter, classes, iso_ms, load_overview, page, redact_body, redact_value
 from framework.operations.dead_letters import get_dead_letter
+from framework.operations.outbox import outbox_backlog
 
 __all__ = ["dead_letters_page", "filter_of", "job_page", "message_page", "overview_json", "overview_page"]
 
@@ -77,7 +78,17 @@ async def overview_page(request: Request) -> Response:
     owners = [
         (s.spec.name, p.partition, g) for s in ov.states for p in s.partitions for g in p.groups if g.lease is not None
     ]
-    return render(request, "overview.html", ov=data, services=services, owners=owners, spark=spark)
+    outbox = await outbox_backlog(st.outbox_engine) if st.outbox_engine is not None else None
+    return render(
+        request,
+        "overview.html",
+        ov=data,
+        services=services,
+        owners=owners,
+        spark=spark,
+        outbox=outbox,
+        outbox_note=st.outbox_note,
+    )
 
 
 async def overview_json(request: Request) -> Response:
