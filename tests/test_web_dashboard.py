@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+import structlog.testing
 
 from framework import SyncClient
 from framework.dashboard import create_app
@@ -80,6 +81,8 @@ def test_poison_shows_with_its_reason_and_a_redrive_from_the_page_is_processed(
     wait_for(lambda: len(dead_letters(redis_url, namespace)) == 1, 30, "the poison message to be dead-lettered")
     app = serve(actions=True)
     page = browser.new_page(viewport={"width": 1300, "height": 800})
+    violations: list[str] = []
+    page.on("console", lambda m: violations.append(m.text) if "Content Security Policy" in m.text else None)
     page.goto(app.url + "/")
     row = page.locator('#services tr[data-group="payments"]')
     assert row.locator(".live-workers").inner_text() == "1"
@@ -117,6 +120,27 @@ def test_poison_shows_with_its_reason_and_a_redrive_from_the_page_is_processed(
     done = tmp_path / "done.txt"
     wait_for(lambda: done.exists() and done.read_text().split() == ["o-1"], 30, "the fixed handler to process o-1")
     assert dead_letters(redis_url, namespace) == []
+    assert violations == []  # htmx and the pages run under the strict CSP
+
+
+def test_a_scheduled_message_is_cancelled_from_the_page(
+    browser: Any, serve: Any, workers: Workers, redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    _worker(workers, tmp_path, "w-fixed", fixed=True)
+    with SyncClient(redis_url, namespace=namespace) as client:
+        for oid in ("s-1", "s-2"):
+            client.send("dash.charges", {"order_id": oid, "card_number": "4111", "amount_cents": 5}, delay=3600)
+    app = serve(actions=True)
+    page = browser.new_page(viewport={"width": 1300, "height": 600})
+    page.goto(app.url + "/scheduled")
+    rows = page.locator("#scheduled tbody tr")
+    assert rows.count() == 2 and "4111" not in page.content()
+    page.screenshot(path=str(SHOTS / "dashboard-scheduled.png"), full_page=True)
+    first = rows.first.get_attribute("data-message-id")
+    rows.first.locator("button").click()
+    assert page.locator("#notice").inner_text() == "cancelled"
+    left = page.locator("#scheduled tbody tr")
+    assert left.count() == 1 and left.first.get_attribute("data-message-id") != first
 
 
 def test_bulk_purge_removes_exactly_the_entries_shown(
@@ -135,9 +159,13 @@ def test_bulk_purge_removes_exactly_the_entries_shown(
     page.locator("#purge-all").click()
     assert page.locator("#count").get_attribute("data-count") == "3"
     page.screenshot(path=str(SHOTS / "dashboard-confirm.png"), full_page=True)
-    page.locator("#confirm").click()
-    page.wait_for_selector('#job[data-finished="yes"]', timeout=20_000)
+    with structlog.testing.capture_logs() as logged:
+        page.locator("#confirm").click()
+        page.wait_for_selector('#job[data-finished="yes"]', timeout=20_000)
     assert "done: 3 of 3 purged" in page.locator("#result").inner_text()
+    [entry] = [e for e in logged if e.get("action") == "dlq.purge"]  # the audit log: who and what
+    assert entry["who"] == "anonymous@127.0.0.1" and entry["asked"] == entry["purged"] == 3
+    assert len(entry["refs"]) == 3 and all(r.startswith("dash.charges/") for r in entry["refs"])
     left = dead_letters(redis_url, namespace)
     assert sorted(json.loads(d.body)["order_id"] for d in left) == ["b-1", "b-2"]
     assert not shown & {d.message_id for d in left}
