@@ -105,3 +105,33 @@ def test_secret_fields_are_redacted_at_any_depth() -> None:
     assert shown.count("[redacted]") == 3 and '"sku": "A"' in shown
     assert redact_body(b"plain text") == "plain text"
     assert reason_class("order 12 of 0x1f, id 01a217a7-d80a-7fa0-ba01-9c6209e1fa25") == "order # of #, id #"
+
+
+async def test_time_ranges_select_by_when_the_letter_died(broker: RedisBroker) -> None:
+    from broker import now_ms
+
+    before = now_ms() - 1
+    await _dead(broker, 4)
+    after = now_ms() + 1
+    assert len((await page(broker, DeadLetterFilter(since_ms=before), limit=50)).items) == 4
+    assert (await page(broker, DeadLetterFilter(since_ms=after), limit=50)).items == []
+    assert (await page(broker, DeadLetterFilter(until_ms=before - 1), limit=50)).items == []
+    assert len((await page(broker, DeadLetterFilter(since_ms=before, until_ms=after), limit=50)).items) == 4
+
+
+async def test_pages_without_the_pages_capability_read_whole_dead_letter_queues() -> None:
+    """The memory transport has no ``dead_letter_pages``: the same pages, read the slow way."""
+    from broker import new_id
+    from broker.memory import connect_memory, reset
+
+    name = f"memory://ops-{new_id()}"
+    memory = connect_memory(name, namespace="t")
+    try:
+        ids = await _dead(memory, 12)  # type: ignore[arg-type]
+        first = await page(memory, DeadLetterFilter(), limit=5)
+        rest = await page(memory, DeadLetterFilter(), cursor=first.next_cursor, upto=first.upto, limit=50)
+        assert {d.message_id for d in first.items + rest.items} == set(ids) and len(first.items) == 5
+        assert rest.next_cursor is None
+    finally:
+        await memory.close()
+        reset(name)
