@@ -2,9 +2,11 @@
 
 Fills one group's DLQ with ``count`` dead letters (default 100,000; pipelined XADDs of entries
 shaped as the runtime writes them), serves the dashboard in-process (uvicorn on loopback), and
-measures the page's time to first byte and its weight (HTML bytes; the stylesheet and htmx are
-static files fetched once and cached) for the first page and for a filtered search, each the
-median of several loads. Prints one row per measure.
+measures the time to first byte and the weight (HTML bytes; the stylesheet and htmx are static
+files fetched once and cached) of the first page, the next page (its cursor), the classes table
+the page loads after it is shown (the newest 2,000 entries grouped), a text search (which reads
+at most 5,000 entries per page) and a message view, each the median of several loads. Prints
+one row per measure.
 """
 
 from __future__ import annotations
@@ -66,9 +68,14 @@ def run_dashboard_bench(url: str | None, count: int = 100_000, loads: int = 5) -
     try:
         for label, path in (
             ("first page", "/dead-letters"),
+            ("next page", "next"),
+            ("classes (newest 2,000)", "/dead-letters/classes"),
             ("search 'order 7'", "/dead-letters?q=order+7"),
             ("message view", None),
         ):
+            if path == "next":
+                page = httpx.get(served.url + "/dead-letters").text
+                path = _next_link(page)
             if path is None:
                 page = httpx.get(served.url + "/dead-letters").text
                 ref = page.split("/dead-letters/message?ref=", 1)[1].split('"', 1)[0]
@@ -92,6 +99,13 @@ def run_dashboard_bench(url: str | None, count: int = 100_000, loads: int = 5) -
             f"ttfb {row['ttfb_ms']:8.1f} ms  page {row['bytes'] / 1024:7.1f} KiB"
         )
     return rows
+
+
+def _next_link(page: str) -> str:
+    """The page's "next page" link (HTML-unescaped)."""
+    import html
+
+    return "/dead-letters" + html.unescape(page.split('id="next"', 1)[0].rsplit('<a href="', 1)[1].split('"', 1)[0])
 
 
 async def _drop(url: str | None, namespace: str) -> None:

@@ -91,6 +91,7 @@ def create_app(
         Route("/api/overview", pages.overview_json),
         Route("/dead-letters", pages.dead_letters_page),
         Route("/dead-letters/message", pages.message_page),
+        Route("/dead-letters/classes", pages.classes_fragment),
         Route("/scheduled", pages.scheduled_page),
         Route("/jobs/{job}", pages.job_page),
         Route("/dead-letters/confirm", posts.confirm, methods=["POST"]),

@@ -19,7 +19,15 @@ from framework.operations import DeadLetterFilter, classes, iso_ms, load_overvie
 from framework.operations.dead_letters import get_dead_letter
 from framework.operations.outbox import outbox_backlog
 
-__all__ = ["dead_letters_page", "filter_of", "job_page", "message_page", "overview_json", "overview_page"]
+__all__ = [
+    "classes_fragment",
+    "dead_letters_page",
+    "filter_of",
+    "job_page",
+    "message_page",
+    "overview_json",
+    "overview_page",
+]
 
 _FILTER_FIELDS = ("destination", "group", "handler", "error_type", "reason", "q", "id", "since", "until")
 
@@ -108,7 +116,6 @@ async def dead_letters_page(request: Request) -> Response:
         )
     except ValueError as exc:
         return render(request, "error.html", 400, message=str(exc))
-    kinds, looked = await classes(broker, f, upto=result.upto) if not params.get("cursor") else ([], 0)
     kept = filter_params(params)
     next_link = None
     if result.next_cursor:
@@ -117,13 +124,29 @@ async def dead_letters_page(request: Request) -> Response:
         request,
         "dead_letters.html",
         page=result,
-        classes=kinds,
-        classes_looked=looked,
+        classes_link="?" + urlencode({**kept, "upto": result.upto or ""}) if not params.get("cursor") else None,
         filters=kept,
         f=f,
         next_link=next_link,
         first_link="?" + urlencode(kept),
         iso=lambda d: d.isoformat(timespec="seconds") if d else "",
+        link=lambda **kw: "?" + urlencode({k: v for k, v in kw.items() if v}),
+    )
+
+
+async def classes_fragment(request: Request) -> Response:
+    """The classes table of a filter (loaded by the dead-letters page after it is shown)."""
+    params = request.query_params
+    try:
+        f = filter_of(params)
+    except ValueError as exc:
+        return render(request, "error.html", 400, message=str(exc))
+    kinds, looked = await classes(broker_of(request), f, upto=params.get("upto") or None)
+    return render(
+        request,
+        "classes.html",
+        classes=kinds,
+        classes_looked=looked,
         link=lambda **kw: "?" + urlencode({k: v for k, v in kw.items() if v}),
     )
 

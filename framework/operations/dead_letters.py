@@ -34,7 +34,8 @@ __all__ = [
     "view_of_ref",
 ]
 
-_BATCH = 200  # entries read per stream and round trip
+_FIRST_BATCH = 16  # entries read per stream by the first round trip (doubling after, up to _BATCH)
+_BATCH = 1000
 _NUMBERS = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F-]{27,}|0x[0-9a-fA-F]+|\d+(\.\d+)?")
 
 
@@ -153,14 +154,16 @@ class _Stream:
         self.broker, self.view, self.end, self.start = broker, view, end, start
         self.buf: list[tuple[str, dict[bytes, bytes]]] = []
         self.done = False
+        self.batch = _FIRST_BATCH  # a first page costs little whatever the DLQ holds; a long scan grows
 
     async def fill(self) -> None:
         if self.buf or self.done:
             return
         if DEAD_LETTER_PAGES in self.broker.capabilities:
             pages = as_dead_letter_pages(self.broker)
-            rows = await pages.dead_letter_page(self.view, end=self.end, start=self.start, count=_BATCH)
-            self.done = len(rows) < _BATCH
+            rows = await pages.dead_letter_page(self.view, end=self.end, start=self.start, count=self.batch)
+            self.done = len(rows) < self.batch
+            self.batch = min(self.batch * 2, _BATCH)
         else:  # no pages: the whole DLQ once, bounded here
             rows = list(reversed(await as_dead_letter_admin(self.broker).dead_letter_entries(self.view)))
             hi = None if self.end == "+" else _key(self.end.lstrip("("))
