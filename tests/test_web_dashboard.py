@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -306,3 +307,34 @@ def test_the_overview_shows_the_outbox_backlog(serve: Any, tmp_path: Path) -> No
     assert "0 refused" in html
     missing = httpx.get(serve().url + "/").text
     assert "no outbox database given" in missing
+
+
+def test_framework_dashboard_serves_read_only_on_loopback(worker_env: dict[str, str], tmp_path: Path) -> None:
+    from tests.dashboard_support import free_port
+
+    port = free_port()
+    log = open(tmp_path / "dashboard.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "framework", "dashboard", "--port", str(port)], env=worker_env, stdout=log, stderr=log
+    )
+    try:
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(up, 30, "framework dashboard to answer")
+        page = httpx.get(f"http://127.0.0.1:{port}/")
+        assert "read-only" in page.text and page.headers["x-frame-options"] == "DENY"
+        assert httpx.get(f"http://127.0.0.1:{port}/static/htmx.min.js").status_code == 200  # vendored, no CDN
+        refused = httpx.post(
+            f"http://127.0.0.1:{port}/dead-letters/apply", headers={"origin": f"http://127.0.0.1:{port}"}
+        )
+        assert refused.status_code == 403
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+    assert "dashboard on http://127.0.0.1:" in (tmp_path / "dashboard.log").read_text()

@@ -16,7 +16,7 @@ import attrs
 from broker import Broker
 from broker.capabilities import as_dead_letter_admin, as_scheduler
 from framework.logs import get_logger
-from framework.operations.dead_letters import DeadLetterFilter, scan, view_of_ref
+from framework.operations.dead_letters import DeadLetterFilter, refs_upto, view_of_ref
 
 __all__ = ["ActionResult", "audit", "cancel_scheduled", "frozen_refs", "purge", "redrive"]
 
@@ -44,7 +44,7 @@ def audit(who: str, action: str, **what: object) -> None:
 
 async def frozen_refs(broker: Broker, f: DeadLetterFilter, upto: str) -> list[str]:
     """Refs of every dead letter the filter selects that is no newer than ``upto`` (the page's bound)."""
-    return [d.ref async for d, _, _ in scan(broker, f, upto=upto) if d is not None]
+    return await refs_upto(broker, f, upto)
 
 
 async def redrive(
@@ -74,14 +74,22 @@ async def redrive(
 async def purge(
     broker: Broker, refs: Sequence[str], *, who: str, progress: Callable[[int, int], None] | None = None
 ) -> ActionResult:
-    """Delete exactly these dead letters for good."""
+    """Delete exactly these dead letters for good (by entry id: an entry not named is never touched)."""
     admin = as_dead_letter_admin(broker)
-    removed = 0
-    for done, ref in enumerate(refs, start=1):
-        view, entry_id = await view_of_ref(broker, ref)
-        removed += await admin.purge_dead_letters(view, [entry_id])
-        if progress is not None and (done % 100 == 0 or done == len(refs)):
-            progress(done, len(refs))
+    removed = done = 0
+    if progress is not None:
+        progress(0, len(refs))
+    by_dlq: dict[str, list[str]] = {}  # one XDEL per DLQ and 500 entries
+    for ref in refs:
+        by_dlq.setdefault(ref.rsplit("/", 1)[0], []).append(ref)
+    for same in by_dlq.values():
+        view, _ = await view_of_ref(broker, same[0])
+        for i in range(0, len(same), 500):
+            chunk = same[i : i + 500]
+            removed += await admin.purge_dead_letters(view, [r.rsplit("/", 1)[1] for r in chunk])
+            done += len(chunk)
+            if progress is not None:
+                progress(done, len(refs))
     result = ActionResult("purge", len(refs), removed)
     audit(who, "dlq.purge", asked=len(refs), purged=removed, refs=list(refs[:20]))
     return result
