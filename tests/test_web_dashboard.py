@@ -338,3 +338,22 @@ def test_framework_dashboard_serves_read_only_on_loopback(worker_env: dict[str, 
         proc.wait(10)
         log.close()
     assert "dashboard on http://127.0.0.1:" in (tmp_path / "dashboard.log").read_text()
+
+
+def test_a_killed_worker_is_shown_gone_once_its_heartbeat_lapses(
+    workers: Workers, redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    proc = workers.start("dashapp:payments", "w-killed", FRAMEWORK_LEASE_TTL="1", DASH_DONE=str(tmp_path / "d"))
+    env = {"REDIS_URL": redis_url, "FRAMEWORK_NAMESPACE": namespace}
+
+    def workers_seen() -> list[dict[str, Any]]:
+        out = run_cli("status", "dash.charges", "--json", env=env)
+        groups = json.loads(out.stdout)[0]["groups"] if out.returncode == 0 else []
+        return groups[0]["workers"] if groups else []
+
+    wait_for(lambda: [w["alive"] for w in workers_seen()] == [True], 30, "the worker's first heartbeat")
+    proc.kill()  # no goodbye: only the heartbeat's age tells
+    proc.wait()
+    wait_for(lambda: [w["alive"] for w in workers_seen()] == [False], 10, "the killed worker to show as gone")
+    table = run_cli("status", "dash.charges", env={**env, "COLUMNS": "200"})
+    assert re.search(r"payments\s*│\s*0\s*│", table.stdout), table.stdout  # live workers: 0
