@@ -182,13 +182,19 @@ def test_a_read_only_dashboard_refuses_every_action(
     serve: Any, workers: Workers, redis_url: str, namespace: str, tmp_path: Path
 ) -> None:
     _worker(workers, tmp_path, "w-broken", fixed=False)
-    _charge(redis_url, namespace, "r-1")
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    with SyncClient(redis_url, namespace=namespace) as client:
+        headers = {"traceparent": f"00-{trace}-00f067aa0ba902b7-01"}
+        client.send("dash.charges", {"order_id": "r-1", "card_number": "4", "amount_cents": 1}, headers=headers)
     wait_for(lambda: len(dead_letters(redis_url, namespace)) == 1, 30, "a dead letter")
     ref = dead_letters(redis_url, namespace)[0].ref
-    app = serve(actions=False)
+    app = serve(actions=False, trace_url="http://jaeger.example/trace/{trace_id}")
     html = httpx.get(app.url + "/dead-letters").text
-    assert "r-1" in html or "card declined" in html
+    assert "card declined for order r-1" in html
     assert "Redrive" not in html and "Purge" not in html
+    message = httpx.get(app.url + "/dead-letters/message", params={"ref": ref}).text
+    assert f'href="http://jaeger.example/trace/{trace}"' in message  # the trace id, linked
+    assert "Redrive" not in message and "Purge" not in message
     origin = {"origin": app.url}
     for path, form in (
         ("/dead-letters/confirm", {"action": "purge", "refs": ref}),
