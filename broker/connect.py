@@ -126,7 +126,9 @@ async def _connect_amqp(url: str, namespace: str | None) -> Broker:
         from broker.redis.side_schedule import RedisSchedule
 
         schedule, leases = RedisSchedule(inbox), RedisLeases(inbox)
-    broker: Broker = await connect_rabbitmq(url, namespace=namespace, inbox=inbox, schedule=schedule, leases=leases)
+    broker: Broker = await connect_rabbitmq(
+        url, namespace=namespace, inbox=inbox, schedule=schedule, leases=leases, counters=inbox
+    )
     return broker
 
 

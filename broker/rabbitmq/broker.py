@@ -16,7 +16,7 @@ from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSH
 from broker.rabbitmq.inbox import SideInbox
 from broker.rabbitmq.ownership import Ownership
 from broker.rabbitmq.replies import Replies
-from broker.rabbitmq.side import SideLeases, SideSchedule
+from broker.rabbitmq.side import SideCounters, SideLeases, SideSchedule
 
 __all__ = ["RabbitBroker"]
 
@@ -49,12 +49,14 @@ class RabbitBroker(Ownership, Replies):
         inbox: SideInbox | None = None,
         schedule: SideSchedule | None = None,
         leases: SideLeases | None = None,
+        counters: SideCounters | None = None,
         **options: Any,
     ) -> None:
         super().__init__(connection, **options)
         self.side_inbox = inbox
         self.side_schedule = schedule
         self.side_leases = leases
+        self.side_counters = counters
         extra = {INBOX} if inbox is not None else set()  # per instance: the class declares what every one has
         if schedule is not None:
             extra.add(SCHEDULING)

@@ -16,7 +16,7 @@ from broker.protocol import GroupPartition
 from broker.scheduling import MoveResult, ScheduledMessage
 from broker.topology import DestinationSpec
 
-__all__ = ["Forward", "SideLeases", "SideSchedule"]
+__all__ = ["Forward", "SideCounters", "SideLeases", "SideSchedule"]
 
 Forward = Callable[[Sequence[Envelope]], Awaitable[None]]
 """Publishes envelopes to the server, confirmed (raises when it could not)."""
@@ -83,4 +83,17 @@ class SideLeases(Protocol):
 
     async def release(self, source: GroupPartition, instance: str, token: int) -> bool:
         """Free the lease; False when the token is not current."""
+        ...
+
+
+class SideCounters(Protocol):
+    """Named counters kept beside the server: the registry's version, so a broker re-reads the registry
+    stream only after some process changed it (a read of the stream appends a marker record to it)."""
+
+    async def counter(self, name: str) -> int:
+        """The counter's value (0 when never bumped)."""
+        ...
+
+    async def bump(self, name: str) -> int:
+        """Raise the counter by one; its new value."""
         ...
