@@ -21,8 +21,8 @@ internal and may change without notice.
 Layers: a module imports only from its own layer or the layers below it, and no import forms a
 circle, counting imports inside functions and under ``TYPE_CHECKING`` (``tests/layers.py``).
 From the bottom: leaf helpers (``_payloads``, ``retries``, ``settings``, ``sql``, ``logs``,
-``handlers`` with Queue/Topic/Handler, ``outcomes``, ``_messages``, ``scheduling``, the outbox
-tables in ``outbox.schema``) -> ``observability`` (tracing, metrics, the consumer's observer,
+``subscriptions`` with topic patterns and filters, ``handlers`` with Queue/Topic/Handler,
+``outcomes``, ``_messages``, ``scheduling``, the outbox tables in ``outbox.schema``) -> ``observability`` (tracing, metrics, the consumer's observer,
 the ``hooks`` switches, log context) and ``logconfig`` -> the database ``outbox`` and its relay
 -> handler effects (``group_commit``, ``effects``) -> the handler ``context`` and ``middleware``
 -> ``saga`` -> ``service`` -> ``client``, ``inbox``, ``dead_letters`` and the actor ``runtime``
@@ -42,6 +42,7 @@ from framework.runtime import Runtime
 from framework.saga import Saga, SagaContext
 from framework.service import HandlerError, Queue, Service, Topic
 from framework.settings import RuntimeSettings
+from framework.subscriptions import Filter, MessageInfo
 
 __all__ = [
     # writing services
@@ -50,6 +51,9 @@ __all__ = [
     "Topic",
     "Context",
     "HandlerError",
+    # which of a topic's events a handler takes, judged before decoding (docs/patterns-and-filters.md)
+    "Filter",
+    "MessageInfo",
     # process managers: state per correlation id, one message per saga at a time
     "Saga",
     "SagaContext",

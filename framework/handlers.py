@@ -18,6 +18,7 @@ import attrs
 
 from broker import COMMAND, DEFAULT_RETENTION_MS, EVENT, DestinationSpec, Start
 from framework.retries import RetryPolicy
+from framework.subscriptions import Filter, Pattern
 
 if TYPE_CHECKING:
     from broker import Broker, Delivery
@@ -98,6 +99,10 @@ class Handler:
     # Optional transport capabilities the handler needs (name -> why, for the error at start when
     # its transport lacks one: see framework.runtime.requirements).
     needs: dict[str, str] = attrs.field(factory=dict)
+    # filter=: which of the destination's messages this handler takes (None: the default handler)
+    filter: Filter | None = None
+    # a topic pattern ("orders.*"): the runtime wires a copy of this handler per matching topic
+    pattern: Pattern | None = None
 
     @property
     def spec(self) -> DestinationSpec:

@@ -1,6 +1,8 @@
 """Admit: decide what fetched deliveries become, and queue the runnable ones on the lanes.
 
-For each fetched batch (:meth:`Admission.admit`): hold every delivery in the ledger; dead-letter
+For each fetched batch (:meth:`Admission.admit`): hold every delivery in the ledger; when several
+handlers of the service share the group (or one has a filter), hand each delivery to the one whose
+filter takes it, before decoding (:mod:`framework.runtime.dispatch`); dead-letter
 what cannot run (undecodable, an invalid payload, a failing key function: poison); drop duplicates
 through the inbox (:func:`framework.inbox.check_inbox`); decode payloads and sort the rest:
 keyed work to the lane its key hashes to, keyless work to any free lane, and redelivered work
@@ -10,7 +12,7 @@ through the crash-loop rule (:meth:`Admission.sort_redeliveries`), isolating sus
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker import Delivery
 from broker.headers import DLQ_REASON
@@ -23,6 +25,9 @@ from framework.runtime.lanes import Worker
 from framework.runtime.ledger import Ledger
 from framework.runtime.settle import Settlement
 from framework.runtime.wiring import Wiring
+
+if TYPE_CHECKING:
+    from framework.runtime.dispatch import Routes
 
 __all__ = ["Admission", "Work"]
 
@@ -44,12 +49,32 @@ class Admission:
         self.debug = debug_enabled()  # a line per message received (and settled, see the settle stage)
         self.bodies = logcontext.body_logging() if self.debug else None  # field names to redact
         self.watching = self.observer is not None or self.debug
+        self.routes: Routes | None = None  # set by the runtime when handlers share this group
 
     async def admit(self, ledger: Ledger, deliveries: list[Delivery], channel: Any = None) -> None:
         """Hold fetched deliveries, settle the ones that cannot run, queue the rest on lanes.
 
         ``channel`` is the caller's own connection, if it has one (the fetcher's).
         """
+        handler = self.handler
+        self.wiring.stats.fetched += len(deliveries)
+        ledger.hold(deliveries, time.monotonic())
+        if self.debug:
+            self._log_received(deliveries)
+        runnable = [d for d in deliveries if d.envelope is not None]
+        poison = [
+            (d, poison_reason(handler, d, f"undecodable message: {d.error}")) for d in deliveries if d.envelope is None
+        ]
+        if self.routes is not None:  # several handlers (or a filter) share this group: pick before decoding
+            await self.routes.dispatch(self, ledger, runnable, poison, channel)
+            return
+        await self.admit_runnable(ledger, runnable, poison, channel)
+
+    async def admit_runnable(
+        self, ledger: Ledger, runnable: list[Delivery], poison: list[tuple[Delivery, dict[str, str]]], channel: Any
+    ) -> None:
+        """The held, decodable ``runnable`` deliveries of this handler: drop duplicates, decode, queue
+        on the lanes; dead-letter ``poison`` and what does not decode."""
         handler = self.handler
         decode = handler.decode
         key_fn = handler.key
@@ -60,14 +85,6 @@ class Admission:
         isolated: list[Isolated] = []
         redelivered: list[tuple[Delivery, Any, Any]] = []  # (delivery, payload, key), once one is met
         gates = lanes.gates
-        self.wiring.stats.fetched += len(deliveries)
-        ledger.hold(deliveries, time.monotonic())
-        if self.debug:
-            self._log_received(deliveries)
-        runnable = [d for d in deliveries if d.envelope is not None]
-        poison = [
-            (d, poison_reason(handler, d, f"undecodable message: {d.error}")) for d in deliveries if d.envelope is None
-        ]
         if handler.inbox and runnable:
             checked = runnable
             runnable = await check_inbox(self.wiring, ledger, runnable, channel)

@@ -17,6 +17,7 @@ under a fresh ledger) from acquiring the lease to losing or handing it back.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from framework.logs import get_logger
 from framework.observability import logcontext
 from framework.runtime.admit import Admission, Work
 from framework.runtime.attempt import Attempts
+from framework.runtime.dispatch import Routes
 from framework.runtime.fetch import Fetcher
 from framework.runtime.lanes import Batch
 from framework.runtime.ledger import ConsumerStats, Ledger, Slot
@@ -63,6 +65,13 @@ class Consumer:
         self._fetch_scopes: list[anyio.CancelScope] = []
         self._fetching = True
         self._log = wiring.log
+        self.members: list[Consumer] = []  # handlers sharing this group (see route), this one first
+
+    def route(self, members: Sequence[Consumer]) -> None:
+        """Share this consumer's group with ``members`` (this one among them): it reads, each
+        member runs the messages its filter takes (see :mod:`framework.runtime.dispatch`)."""
+        self.members = list(members)
+        self.admission.routes = Routes([m.admission for m in self.members])
 
     # -- actor tree ------------------------------------------------------------------------------
 
@@ -71,6 +80,8 @@ class Consumer:
         settings = self.wiring.settings
         upkeep = self.upkeep
         label = self.handler.label
+        if not self.views:  # a member of a shared group: the lead reads and looks after its partitions
+            return
         async with anyio.create_task_group() as tg:
             if self.ownership is None:
                 for ledger in self.states.values():
@@ -78,8 +89,9 @@ class Consumer:
             else:
                 tg.start_soon(supervise, f"{label}.ownership", self.ownership.run)
             tg.start_soon(supervise, f"{label}.trim", every, settings.trim_interval, upkeep.trim, self._all)
-            if self.handler.timeout is not None:
-                interval = min(1.0, self.handler.timeout / 4)
+            timeouts = [m.handler.timeout for m in self.members or [self] if m.handler.timeout is not None]
+            if timeouts:
+                interval = min(1.0, min(timeouts) / 4)
                 watch = lambda: upkeep.watch(list(self.states.values()))  # noqa: E731 - a duty with no arguments
                 tg.start_soon(supervise, f"{label}.watchdog", every_local, interval, watch)
 
@@ -178,6 +190,7 @@ class Consumer:
         works = batch.works
         done = Finished()
         slot = Slot()
+        slot.timeout = self.handler.timeout or math.inf  # the watchdog may be another handler's (shared group)
         slot.flush = functools.partial(self._settle_now, ledger, done)
         ledger.slots.add(slot)
         started = time.perf_counter()
