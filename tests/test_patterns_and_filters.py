@@ -1,0 +1,369 @@
+"""Pattern subscriptions (``@svc.event("orders.*")``) and filters (``filter=``), end to end.
+
+On the embedded Valkey (and ``memory://`` where it applies): patterns pick up existing topics and
+topics created while the service runs; ``*`` is one word, ``#`` zero or more; filters route each
+message to one handler before its body is decoded; what no handler wants is acked and counted,
+never dead-lettered; malformed patterns and overlapping handlers fail at declaration.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import anyio
+import attrs
+import pytest
+
+from framework import Context, Filter, HandlerError, MessageInfo, Service
+from framework.subscriptions import Pattern, names_overlap
+from framework.testing import TEST_SETTINGS, ServiceHarness
+
+pytestmark = pytest.mark.anyio
+
+SETTINGS = attrs.evolve(TEST_SETTINGS, pattern_refresh=0.2)
+
+
+@attrs.frozen
+class OrderPlaced:
+    order_id: str
+
+
+@attrs.frozen
+class OrderCancelled:
+    order_id: str
+
+
+async def _until(condition: object, timeout: float = 10.0) -> None:
+    with anyio.fail_after(timeout):
+        while not condition():  # type: ignore[operator]
+            await anyio.sleep(0.02)
+
+
+# -- declaration ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pattern", "why"),
+    [
+        ("orders.**", "mixes a wildcard into a word"),
+        ("orders..*", "an empty word"),
+        ("#..x", "an empty word"),
+        ("*.orders.", "an empty word"),
+        ("ord*ers", "mixes a wildcard into a word"),
+        ("orders.#x", "mixes a wildcard into a word"),
+        ("orders.*.p$", "only letters, digits"),
+    ],
+)
+def test_a_malformed_pattern_fails_at_declaration_naming_it(pattern: str, why: str) -> None:
+    svc = Service("audit")
+    with pytest.raises(HandlerError, match=why) as err:
+
+        @svc.event(pattern)
+        async def record(event: dict) -> None: ...
+
+    assert repr(pattern) in str(err.value) and "audit" in str(err.value)
+    assert svc.handlers == []
+
+
+@pytest.mark.parametrize(
+    ("pattern", "matching", "not_matching"),
+    [
+        ("orders.*", ["orders.placed", "orders.x"], ["orders", "orders.eu.placed", "ordersx.placed", "shop.orders.x"]),
+        ("orders.#", ["orders", "orders.placed", "orders.eu.placed"], ["order", "shop.orders"]),
+        ("#.placed", ["placed", "orders.placed", "a.b.placed"], ["orders.placed.x", "orders"]),
+        ("*.eu.#", ["orders.eu", "orders.eu.placed.x"], ["eu", "orders.us.placed", "a.b.eu"]),
+        ("#", ["a", "a.b.c"], []),
+        ("*", ["a"], ["a.b"]),
+    ],
+)
+def test_star_is_one_word_and_hash_zero_or_more(pattern: str, matching: list[str], not_matching: list[str]) -> None:
+    p = Pattern.parse(pattern)
+    assert [n for n in matching if not p.matches(n)] == []
+    assert [n for n in not_matching if p.matches(n)] == []
+
+
+def test_two_default_handlers_of_one_topic_fail_naming_both() -> None:
+    svc = Service("billing")
+
+    @svc.event("orders.placed")
+    async def charge(event: OrderPlaced) -> None: ...
+
+    with pytest.raises(HandlerError, match="billing.audit.*billing.charge.*both default handlers"):
+
+        @svc.event("orders.*")  # matches orders.placed: two handlers for one message
+        async def audit(event: dict) -> None: ...
+
+
+def test_overlapping_filters_fail_at_declaration_naming_both() -> None:
+    svc = Service("billing")
+
+    @svc.event("orders", filter=Filter(type=OrderPlaced))
+    async def charge(event: OrderPlaced) -> None: ...
+
+    with pytest.raises(HandlerError, match=r"billing\.again .*billing\.charge .*can both match"):
+
+        @svc.event("orders", filter=Filter(type="OrderPlaced", headers={"region": "eu"}))
+        async def again(event: OrderPlaced) -> None: ...
+
+    with pytest.raises(HandlerError, match=r"billing\.vague .*billing\.charge .*can both match"):
+
+        @svc.event("orders", filter=lambda m: m.key == "x")  # predicates cannot be told apart
+        async def vague(event: dict) -> None: ...
+
+    with pytest.raises(HandlerError, match=r"billing\.crossing .*billing\.charge .*can both match"):
+
+        @svc.event("*.#", filter=Filter(type=[OrderPlaced, OrderCancelled]))
+        async def crossing(event: dict) -> None: ...
+
+    # disjoint types, disjoint header values, and one default: all accepted
+    @svc.event("orders", filter=Filter(type=OrderCancelled, headers={"region": "eu"}))
+    async def cancel_eu(event: OrderCancelled) -> None: ...
+
+    @svc.event("orders", filter=Filter(type=OrderCancelled, headers={"region": ["us", "ca"]}))
+    async def cancel_us(event: OrderCancelled) -> None: ...
+
+    @svc.event("orders")
+    async def rest(event: dict) -> None: ...
+
+    assert [h.name for h in svc.handlers] == ["charge", "cancel_eu", "cancel_us", "rest"]
+
+
+def test_handlers_sharing_a_topic_must_share_the_inbox_mode() -> None:
+    svc = Service("billing")
+
+    @svc.event("orders", filter=Filter(type=OrderPlaced))
+    async def charge(event: OrderPlaced) -> None: ...
+
+    with pytest.raises(HandlerError, match="not the inbox mode"):
+
+        @svc.event("orders", filter=Filter(type=OrderCancelled), inbox=False)
+        async def cancel(event: OrderCancelled) -> None: ...
+
+
+def test_bad_filters_fail_at_declaration() -> None:
+    svc = Service("billing")
+    with pytest.raises(ValueError, match="no condition"):  # raised where the Filter is written
+        svc.event("orders", filter=Filter())
+    with pytest.raises(HandlerError, match="filter= takes"):
+        svc.event("orders", filter="OrderPlaced")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="header values are strings"):
+        svc.event("orders", filter=Filter(headers={"region": 1}))
+
+
+def test_patterns_overlap_when_some_name_matches_both() -> None:
+    assert names_overlap("orders.*", "*.placed")
+    assert names_overlap("orders.#", "#.eu.#")
+    assert not names_overlap("orders.*", "orders.*.*")
+    assert not names_overlap("orders.*", "payments.#")
+
+
+# -- end to end --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["redis", "memory"])
+async def test_a_pattern_reads_matching_topics_existing_and_created_later(
+    transport: str, redis_url: str, namespace: str
+) -> None:
+    url = "memory://" if transport == "memory" else redis_url
+    seen: dict[str, list[str]] = defaultdict(list)
+    audit = Service("audit")
+
+    @audit.event("orders.*")
+    async def orders(event: dict, ctx: Context) -> None:
+        seen["orders.*"].append(ctx.destination)
+
+    @audit.event("billing.#")
+    async def billing(event: dict, ctx: Context) -> None:
+        seen["billing.#"].append(ctx.destination)
+
+    async with ServiceHarness([], url=url, namespace=namespace, settings=SETTINGS) as h:
+        for topic in ("orders.placed", "orders.eu.placed", "billing", "billing.eu.paid", "shipping.sent"):
+            await h.client.publish(topic, {"n": 1})  # the topics exist before the service starts
+        h.services = [audit]
+        await h.start()
+        await _until(lambda: len(seen["orders.*"]) == 1 and len(seen["billing.#"]) == 2)
+        # created while the service runs: picked up within the refresh interval, from its start
+        await h.client.publish("orders.refunded", {"n": 2})
+        await h.client.publish("billing.us.refunded", {"n": 3})
+        await h.client.publish("shipping.lost", {"n": 4})
+        await _until(lambda: len(seen["orders.*"]) == 2 and len(seen["billing.#"]) == 3, timeout=5)
+        await h.run_until_idle()
+        subscribed = {d for d, g in await h.broker.list_subscriptions() if g == "audit"}
+    assert sorted(seen["orders.*"]) == ["orders.placed", "orders.refunded"]
+    assert sorted(seen["billing.#"]) == ["billing", "billing.eu.paid", "billing.us.refunded"]
+    # what matches no pattern is not consumed: the group is not even subscribed there
+    assert subscribed == {"orders.placed", "orders.refunded", "billing", "billing.eu.paid", "billing.us.refunded"}
+
+
+async def test_on_rabbitmq_a_pattern_subscribes_new_topics_and_gets_what_follows(
+    rabbitmq_url: str, namespace: str
+) -> None:
+    # RabbitMQ keeps no history: a topic's events reach a group once its queue is bound, so a new
+    # topic's events count from the refresh that subscribed the group (docs/transports.md).
+    seen: list[str] = []
+    audit = Service("audit")
+
+    @audit.event("orders.*")
+    async def orders(event: dict, ctx: Context) -> None:
+        seen.append(f"{ctx.destination}:{event['n']}")
+
+    async with ServiceHarness([audit], url=rabbitmq_url, namespace=namespace, settings=SETTINGS) as h:
+        await h.client.publish("orders.placed", {"n": 1})  # creates the topic; nobody bound yet
+        await h.client.publish("shipping.sent", {"n": 1})
+
+        async def subscribed() -> set[str]:
+            return {d for d, g in await h.broker.list_subscriptions() if g == "audit"}
+
+        with anyio.fail_after(10):
+            while "orders.placed" not in await subscribed():
+                await anyio.sleep(0.05)
+        await h.client.publish("orders.placed", {"n": 2})
+        await _until(lambda: seen == ["orders.placed:2"])
+        assert await subscribed() == {"orders.placed"}
+
+
+async def test_a_pattern_subscription_restarts_without_an_orphan_error(redis_url: str, namespace: str) -> None:
+    audit = Service("audit")
+    got: list[str] = []
+
+    @audit.event("orders.*")
+    async def orders(event: dict) -> None:
+        got.append(event["n"])
+
+    async with ServiceHarness([audit], url=redis_url, namespace=namespace, settings=SETTINGS) as h:
+        await h.client.publish("orders.placed", {"n": "a"})
+        await _until(lambda: got == ["a"])
+        await h.stop()
+        await h.client.publish("orders.placed", {"n": "b"})
+        await h.start()  # its group on orders.placed is the pattern's, not an orphan
+        await _until(lambda: got == ["a", "b"])
+
+
+def _router(log: dict[str, list[str]]) -> Service:
+    svc = Service("billing")
+
+    @svc.event("orders", filter=Filter(type=OrderPlaced))
+    async def charge(event: OrderPlaced) -> None:
+        log["charge"].append(event.order_id)
+
+    @svc.event("orders", filter=Filter(type=OrderCancelled, headers={"region": "eu"}))
+    async def refund_eu(event: OrderCancelled) -> None:
+        log["refund_eu"].append(event.order_id)
+
+    vip_only = Filter(type=OrderCancelled, headers={"region": "us"}, where=lambda m: m.headers.get("vip") == "yes")
+
+    @svc.event("orders", filter=vip_only)
+    async def vip(event: OrderCancelled) -> None:  # with a predicate over the metadata (MessageInfo)
+        log["vip"].append(event.order_id)
+
+    @svc.event("orders")
+    async def other(event: dict) -> None:
+        log["other"].append(event["order_id"])
+
+    return svc
+
+
+@pytest.mark.parametrize("transport", ["redis", "memory"])
+async def test_filters_route_each_message_to_one_handler_by_type_and_header(
+    transport: str, redis_url: str, namespace: str
+) -> None:
+    log: dict[str, list[str]] = defaultdict(list)
+    url = redis_url if transport == "redis" else "memory://"
+    async with ServiceHarness([_router(log)], url=url, namespace=namespace) as h:
+        await h.client.publish("orders", OrderPlaced("p1"))
+        await h.client.publish("orders", OrderCancelled("c-eu"), headers={"region": "eu"})
+        await h.client.publish("orders", OrderCancelled("c-us"), headers={"region": "us"})
+        await h.client.publish("orders", OrderCancelled("c-vip"), headers={"region": "us", "vip": "yes"})
+        await h.client.publish("orders", {"order_id": "x1"}, type="OrderShipped")
+        await h.client.publish("orders", OrderPlaced("p2"))
+        await h.run_until_idle()
+        stats = h.stats()
+        groups = [g for d, g in await h.broker.list_subscriptions() if d == "orders"]
+    assert dict(log) == {"charge": ["p1", "p2"], "refund_eu": ["c-eu"], "vip": ["c-vip"], "other": ["c-us", "x1"]}
+    assert groups == ["billing"]  # the four handlers share the one group of the topic
+    assert stats["billing.charge"]["fetched"] == 6  # read once, by the group's one reader
+    assert sum(s["processed"] for s in stats.values()) == 6
+    assert all(s["unwanted"] == 0 for s in stats.values())
+
+
+@pytest.mark.parametrize("transport", ["redis", "memory"])
+async def test_an_event_no_handler_wants_is_acked_and_counted_never_dead_lettered(
+    transport: str, redis_url: str, namespace: str
+) -> None:
+    charged: list[str] = []
+    svc = Service("billing")
+
+    @svc.event("orders", filter=Filter(type=OrderPlaced))
+    async def charge(event: OrderPlaced) -> None:
+        charged.append(event.order_id)
+
+    url = redis_url if transport == "redis" else "memory://"
+    async with ServiceHarness([svc], url=url, namespace=namespace) as h:
+        await h.client.publish("orders", OrderCancelled("c1"))
+        # would not decode into OrderPlaced (nor JSON at all): never decoded, so not poison
+        await h.client.publish("orders", b"\xff\xfe not json", type="Junk")
+        await h.client.publish("orders", OrderPlaced("p1"))
+        await h.run_until_idle()  # idle: every entry acknowledged
+        stats = h.stats()["billing.charge"]
+        dead = await h.dead_letters()
+    assert charged == ["p1"]
+    assert (stats["unwanted"], stats["processed"], stats["dead_lettered"]) == (2, 1, 0)
+    assert dead == []
+
+
+async def test_a_wanted_message_is_decoded_and_dead_lettered_when_it_does_not_decode(
+    redis_url: str, namespace: str
+) -> None:
+    svc = Service("billing")
+
+    @svc.event("orders", filter=Filter(type="OrderPlaced"))
+    async def charge(event: OrderPlaced) -> None: ...
+
+    async with ServiceHarness([svc], url=redis_url, namespace=namespace) as h:
+        await h.client.publish("orders", b"\xff not json", type="OrderPlaced")  # taken, then poison
+        await h.client.publish("orders", b"\xff not json", type="Junk")  # not taken: acked
+        await h.run_until_idle()
+        dead = await h.dead_letters()
+        stats = h.stats()["billing.charge"]
+    assert [d.reason.split(":")[0] for d in dead] == ["invalid payload"]
+    assert stats["unwanted"] == 1
+
+
+async def test_a_filter_predicate_that_raises_dead_letters_the_message_naming_it(
+    redis_url: str, namespace: str
+) -> None:
+    svc = Service("billing")
+
+    def broken(m: MessageInfo) -> bool:
+        raise KeyError("region")
+
+    @svc.event("orders", filter=broken)
+    async def charge(event: dict) -> None: ...
+
+    async with ServiceHarness([svc], url=redis_url, namespace=namespace) as h:
+        await h.client.publish("orders", {"n": 1})
+        await h.run_until_idle()
+        [dead] = await h.dead_letters()
+    assert "filter predicate raised KeyError" in dead.reason
+
+
+async def test_a_pattern_handler_and_a_filtered_named_handler_share_the_topic(redis_url: str, namespace: str) -> None:
+    log: dict[str, list[str]] = defaultdict(list)
+    svc = Service("billing")
+
+    @svc.event("orders.placed", filter=Filter(headers={"region": "eu"}))
+    async def eu(event: dict) -> None:
+        log["eu"].append(event["n"])
+
+    @svc.event("orders.*")  # the default of every orders.* topic, orders.placed included
+    async def anything(event: dict, ctx: Context) -> None:
+        log["any"].append(f"{ctx.destination}:{event['n']}")
+
+    async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=SETTINGS) as h:
+        await h.client.publish("orders.placed", {"n": "1"}, headers={"region": "eu"})
+        await h.client.publish("orders.placed", {"n": "2"}, headers={"region": "us"})
+        await h.client.publish("orders.cancelled", {"n": "3"}, headers={"region": "eu"})
+        await _until(lambda: len(log["eu"]) + len(log["any"]) == 3)
+        await h.run_until_idle()
+    assert log["eu"] == ["1"]
+    assert sorted(log["any"]) == ["orders.cancelled:3", "orders.placed:2"]
