@@ -23,7 +23,8 @@ circle, counting imports inside functions and under ``TYPE_CHECKING`` (``tests/l
 From the bottom: leaf helpers (``_payloads``, ``retries``, ``settings``, ``sql``, ``logs``,
 ``subscriptions`` with topic patterns and filters, ``handlers`` with Queue/Topic/Handler,
 ``outcomes``, ``_messages``, ``scheduling``, the outbox tables in ``outbox.schema``) ->
-``observability`` (tracing, metrics, the consumer's observer, the ``hooks`` switches, log context) and ``logconfig`` -> the database ``outbox`` and its relay
+``observability`` (tracing, metrics, the consumer's observer, the ``hooks`` switches, log
+context) and ``logconfig`` -> the database ``outbox`` and its relay
 -> handler effects (``group_commit``, ``effects``) -> the handler ``context`` and ``middleware``
 -> ``saga`` -> ``service`` -> ``client``, ``inbox``, ``dead_letters`` and the actor ``runtime``
 -> ``testing``, ``cli`` and this module. A lower module that needs a higher one's object gets it
