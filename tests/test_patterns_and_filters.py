@@ -311,6 +311,41 @@ async def test_an_event_no_handler_wants_is_acked_and_counted_never_dead_lettere
     assert dead == []
 
 
+async def test_unwanted_events_are_a_metric(redis_url: str, namespace: str) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from framework import enable_metrics
+    from framework.observability import disable_metrics
+
+    svc = Service("billing")
+
+    @svc.event("orders", filter=Filter(type=OrderPlaced))
+    async def charge(event: OrderPlaced) -> None: ...
+
+    reader = InMemoryMetricReader()
+    enable_metrics(MeterProvider(metric_readers=[reader]))
+    try:
+        async with ServiceHarness([svc], url=redis_url, namespace=namespace) as h:
+            for n in range(3):
+                await h.client.publish("orders", OrderCancelled(f"c{n}"))
+            await h.run_until_idle()
+            data = reader.get_metrics_data()
+    finally:
+        disable_metrics()
+    assert data is not None
+    values = [
+        point.value
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for metric in sm.metrics
+        if metric.name == "framework.messages.unwanted"
+        for point in metric.data.data_points
+        if dict(point.attributes or {}).get("framework.handler") == "charge"
+    ]
+    assert values == [3]
+
+
 async def test_a_wanted_message_is_decoded_and_dead_lettered_when_it_does_not_decode(
     redis_url: str, namespace: str
 ) -> None:
@@ -367,3 +402,62 @@ async def test_a_pattern_handler_and_a_filtered_named_handler_share_the_topic(re
         await h.run_until_idle()
     assert log["eu"] == ["1"]
     assert sorted(log["any"]) == ["orders.cancelled:3", "orders.placed:2"]
+
+
+@pytest.mark.parametrize("transport", ["redis", "memory"])
+async def test_one_key_keeps_its_order_across_the_handlers_of_a_shared_topic(
+    transport: str, redis_url: str, namespace: str
+) -> None:
+    ran: list[str] = []
+    svc = Service("billing")
+
+    @svc.event("orders", filter=Filter(type=OrderPlaced))
+    async def placed(event: OrderPlaced) -> None:
+        await anyio.sleep(0.002)  # slower than the other: without one order per key it would be overtaken
+        ran.append(event.order_id)
+
+    @svc.event("orders", filter=Filter(type=OrderCancelled))
+    async def cancelled(event: OrderCancelled) -> None:
+        ran.append(event.order_id)
+
+    url = redis_url if transport == "redis" else "memory://"
+    sent = [f"{k}-{i}" for i in range(20) for k in ("a", "b")]
+    async with ServiceHarness([], url=url, namespace=namespace) as h:
+        for n, order_id in enumerate(sent):  # stored before the service starts: fetched in one read
+            event = OrderPlaced(order_id) if n % 3 else OrderCancelled(order_id)
+            await h.client.publish("orders", event, key=order_id[0])
+        h.services = [svc]
+        await h.start()
+        await h.run_until_idle()
+        stats = h.stats()
+    for key in ("a", "b"):
+        assert [o for o in ran if o[0] == key] == [o for o in sent if o[0] == key]
+    assert stats["billing.placed"]["processed"] + stats["billing.cancelled"]["processed"] == 40
+    assert stats["billing.cancelled"]["processed"] == len([n for n in range(40) if n % 3 == 0])
+
+
+async def test_each_handler_of_a_shared_topic_keeps_its_own_retry_policy(redis_url: str, namespace: str) -> None:
+    from framework import RetryPolicy
+
+    tries: dict[str, int] = defaultdict(int)
+    svc = Service("billing", retry=RetryPolicy(max_attempts=3, backoff=0.01))
+
+    @svc.event("orders", filter=Filter(type=OrderPlaced))
+    async def placed(event: OrderPlaced) -> None:
+        tries["placed"] += 1
+        raise RuntimeError("placed fails")
+
+    @svc.event("orders", filter=Filter(type=OrderCancelled), retry=RetryPolicy(max_attempts=1))
+    async def cancelled(event: OrderCancelled) -> None:
+        tries["cancelled"] += 1
+        raise RuntimeError("cancelled fails")
+
+    async with ServiceHarness([svc], url=redis_url, namespace=namespace) as h:
+        await h.client.publish("orders", OrderPlaced("p"))
+        await h.client.publish("orders", OrderCancelled("c"))
+        await h.run_until_idle()
+        dead = {d.handler: d.attempts for d in await h.dead_letters()}
+        stats = h.stats()
+    assert dict(tries) == {"placed": 3, "cancelled": 1}
+    assert dead == {"billing.placed": 3, "billing.cancelled": 1}
+    assert (stats["billing.placed"]["dead_lettered"], stats["billing.cancelled"]["dead_lettered"]) == (1, 1)

@@ -182,6 +182,8 @@ class Runtime:
             self.consumers += new
             for consumer in new:
                 tg.start_soon(consumer.run)
+            if new and hooks.METRICS:
+                hooks.track_runtime(self)  # the new topics' consumers counted too
 
     async def _serve(self, engine: Any, task_status: anyio.abc.TaskStatus[Runtime]) -> None:
         """Run the lanes, consumers and relay until :meth:`stop`, then shut down gracefully."""

@@ -1,8 +1,8 @@
 """Admit: decide what fetched deliveries become, and queue the runnable ones on the lanes.
 
 For each fetched batch (:meth:`Admission.admit`): hold every delivery in the ledger; when several
-handlers of the service share the group (or one has a filter), hand each delivery to the one whose
-filter takes it, before decoding (:mod:`framework.runtime.dispatch`); dead-letter
+handlers of the service share the group (or one has a filter), pick each delivery's handler from its
+type and headers before decoding and ack what none wants (:mod:`framework.runtime.dispatch`); dead-letter
 what cannot run (undecodable, an invalid payload, a failing key function: poison); drop duplicates
 through the inbox (:func:`framework.inbox.check_inbox`); decode payloads and sort the rest:
 keyed work to the lane its key hashes to, keyless work to any free lane, and redelivered work
@@ -12,7 +12,7 @@ through the crash-loop rule (:meth:`Admission.sort_redeliveries`), isolating sus
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from broker import Delivery
 from broker.headers import DLQ_REASON
@@ -21,13 +21,11 @@ from framework.dead_letters.reasons import poison_reason
 from framework.inbox import check_inbox
 from framework.logs import debug_enabled
 from framework.observability import logcontext
+from framework.runtime.dispatch import Routes
 from framework.runtime.lanes import Worker
 from framework.runtime.ledger import Ledger
 from framework.runtime.settle import Settlement
 from framework.runtime.wiring import Wiring
-
-if TYPE_CHECKING:
-    from framework.runtime.dispatch import Routes
 
 __all__ = ["Admission", "Work"]
 
@@ -49,32 +47,13 @@ class Admission:
         self.debug = debug_enabled()  # a line per message received (and settled, see the settle stage)
         self.bodies = logcontext.body_logging() if self.debug else None  # field names to redact
         self.watching = self.observer is not None or self.debug
-        self.routes: Routes | None = None  # set by the runtime when handlers share this group
+        self.routes: Routes | None = None  # set by the consumer when handlers share this group
 
     async def admit(self, ledger: Ledger, deliveries: list[Delivery], channel: Any = None) -> None:
         """Hold fetched deliveries, settle the ones that cannot run, queue the rest on lanes.
 
         ``channel`` is the caller's own connection, if it has one (the fetcher's).
         """
-        handler = self.handler
-        self.wiring.stats.fetched += len(deliveries)
-        ledger.hold(deliveries, time.monotonic())
-        if self.debug:
-            self._log_received(deliveries)
-        runnable = [d for d in deliveries if d.envelope is not None]
-        poison = [
-            (d, poison_reason(handler, d, f"undecodable message: {d.error}")) for d in deliveries if d.envelope is None
-        ]
-        if self.routes is not None:  # several handlers (or a filter) share this group: pick before decoding
-            await self.routes.dispatch(self, ledger, runnable, poison, channel)
-            return
-        await self.admit_runnable(ledger, runnable, poison, channel)
-
-    async def admit_runnable(
-        self, ledger: Ledger, runnable: list[Delivery], poison: list[tuple[Delivery, dict[str, str]]], channel: Any
-    ) -> None:
-        """The held, decodable ``runnable`` deliveries of this handler: drop duplicates, decode, queue
-        on the lanes; dead-letter ``poison`` and what does not decode."""
         handler = self.handler
         decode = handler.decode
         key_fn = handler.key
@@ -85,6 +64,17 @@ class Admission:
         isolated: list[Isolated] = []
         redelivered: list[tuple[Delivery, Any, Any]] = []  # (delivery, payload, key), once one is met
         gates = lanes.gates
+        self.wiring.stats.fetched += len(deliveries)
+        ledger.hold(deliveries, time.monotonic())
+        if self.debug:
+            self._log_received(deliveries)
+        runnable = [d for d in deliveries if d.envelope is not None]
+        poison = [
+            (d, poison_reason(handler, d, f"undecodable message: {d.error}")) for d in deliveries if d.envelope is None
+        ]
+        routed = None
+        if self.routes is not None and runnable:  # before the inbox: what nobody wants is acked at once
+            runnable, routed = self.routes.pick_all(self, ledger, runnable, poison)
         if handler.inbox and runnable:
             checked = runnable
             runnable = await check_inbox(self.wiring, ledger, runnable, channel)
@@ -96,13 +86,18 @@ class Admission:
             env = d.envelope
             assert env is not None
             try:
-                payload = decode(env.body)
-                lane_key = key_fn(payload) if key_fn is not None else env.key
+                if routed is None:
+                    payload = decode(env.body)
+                    lane_key = key_fn(payload) if key_fn is not None else env.key
+                else:  # decoded by the handler its filter picked, which runs it (see Consumer.process)
+                    payload, lane_key = routed[id(d)].decode(env)
             except PayloadError as exc:
-                poison.append((d, poison_reason(handler, d, f"invalid payload: {exc}")))
+                owner = handler if routed is None else routed[id(d)].handler
+                poison.append((d, poison_reason(owner, d, f"invalid payload: {exc}")))
                 continue
             except Exception as exc:
-                poison.append((d, poison_reason(handler, d, f"key function failed: {type(exc).__name__}: {exc}")))
+                owner = handler if routed is None else routed[id(d)].handler
+                poison.append((d, poison_reason(owner, d, f"key function failed: {type(exc).__name__}: {exc}")))
                 continue
             if redelivered or d.delivery_count > 1:  # sorted below, once the redeliveries are counted
                 redelivered.append((d, payload, lane_key))

@@ -29,7 +29,7 @@ from framework.logs import get_logger
 from framework.observability import logcontext
 from framework.runtime.admit import Admission, Work
 from framework.runtime.attempt import Attempts
-from framework.runtime.dispatch import Routes
+from framework.runtime.dispatch import Routed, Routes
 from framework.runtime.fetch import Fetcher
 from framework.runtime.lanes import Batch
 from framework.runtime.ledger import ConsumerStats, Ledger, Slot
@@ -71,7 +71,7 @@ class Consumer:
         """Share this consumer's group with ``members`` (this one among them): it reads, each
         member runs the messages its filter takes (see :mod:`framework.runtime.dispatch`)."""
         self.members = list(members)
-        self.admission.routes = Routes([m.admission for m in self.members])
+        self.admission.routes = Routes(self.members)
 
     # -- actor tree ------------------------------------------------------------------------------
 
@@ -202,9 +202,10 @@ class Consumer:
                     slot.scope = scope
                     more = await self._process_from(ledger, batch, slot, done)
                 if scope.cancelled_caught:
-                    d = works[slot.index][0]
+                    d, payload = works[slot.index]
                     if slot.delivery is d and d is not None:  # the watchdog cut its handler short
-                        await self.attempts.timed_out(ledger, d, slot)
+                        runner = payload.member if type(payload) is Routed else self
+                        await runner.attempts.timed_out(ledger, d, slot)
                     else:  # a handler swallowed the cancellation, which then hit its settling: unknown state
                         ledger.forget([d])  # pending: redelivered after the visibility timeout
                     more = True
@@ -259,13 +260,19 @@ class Consumer:
             batch.next = index + 1  # taken: no other lane runs it
             d, payload = works[index]
             slot.index = index
+            runner = self
+            if type(payload) is Routed:  # a shared group's work: run by the handler its filter picked
+                runner, payload = payload.member, payload.payload
+                slot.timeout = runner.handler.timeout or math.inf
             if suspect:
-                ctx = await self._run_suspect(ledger, d, payload, slot)
-            else:
+                ctx = await runner._run_suspect(ledger, d, payload, slot)
+            elif runner is self:
                 ctx = await run(ledger, d, payload, d.attempt, slot)
+            else:
+                ctx = await runner.attempts.run(ledger, d, payload, d.attempt, slot)
             ended = clock()
             if ctx is not None and ctx is not SETTLED:
-                done.add(d, ctx, ended)
+                done.add(d, ctx, ended, None if runner is self else runner.stats)
                 # Settle now when finished runs waited long enough, or when this run was slow: the
                 # next one likely is too, and a finished message must not wait for it.
                 if ended - done.since >= interval or ended - began >= interval:

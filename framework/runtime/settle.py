@@ -44,17 +44,19 @@ SETTLED: Any = object()  # an attempt whose message is settled already (effects 
 class Finished:
     """Runs that finished in a lane and wait to be settled: published, then acknowledged."""
 
-    __slots__ = ("deliveries", "duplicate_ids", "duplicates", "outgoing", "since")
+    __slots__ = ("credits", "deliveries", "duplicate_ids", "duplicates", "outgoing", "since")
 
     def __init__(self) -> None:
+        self.credits: list[Any] = []  # counters of other handlers of a shared group, one per success of theirs
         self.deliveries: list[Delivery] = []
         self.outgoing: list[Any] = []
         self.duplicates = 0
         self.duplicate_ids: list[int] = []  # id() of the duplicate deliveries (for the debug lines)
         self.since = 0.0
 
-    def add(self, d: Delivery, ctx: Context, now: float) -> None:
-        """Record a successful run finished at ``now`` (monotonic)."""
+    def add(self, d: Delivery, ctx: Context, now: float, stats: Any = None) -> None:
+        """Record a successful run finished at ``now`` (monotonic); ``stats``: the counters of the
+        handler that ran it, when not the settling consumer's (a shared group's member)."""
         if not self.deliveries:
             self.since = now
         self.deliveries.append(d)
@@ -63,6 +65,8 @@ class Finished:
         if ctx.duplicate:
             self.duplicates += 1
             self.duplicate_ids.append(id(d))
+        elif stats is not None:
+            self.credits.append(stats)
 
 
 class Settlement:
@@ -95,10 +99,12 @@ class Settlement:
         if not done.deliveries:
             return
         deliveries, outgoing, duplicates = done.deliveries, done.outgoing, done.duplicates
-        duplicate_ids = done.duplicate_ids
+        duplicate_ids, credits = done.duplicate_ids, done.credits
         done.deliveries, done.outgoing, done.duplicates = [], [], 0
         if duplicate_ids:
             done.duplicate_ids = []
+        if credits:
+            done.credits = []
         if outgoing:
             try:
                 await self.wiring.publish(outgoing)
@@ -109,7 +115,9 @@ class Settlement:
                 ledger.forget(deliveries)
                 ledger.broken()
                 return
-        self.stats.processed += len(deliveries) - duplicates
+        for stats in credits:  # successes of other handlers sharing the group: counted as theirs
+            stats.processed += 1
+        self.stats.processed += len(deliveries) - duplicates - len(credits)
         ledger.queue_acks(deliveries)  # processed: room to fetch more while the ack is on its way
         if self.debug:
             for d in deliveries:
