@@ -8,7 +8,12 @@ never dead-lettered; malformed patterns and overlapping handlers fail at declara
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import anyio
 import attrs
@@ -461,3 +466,19 @@ async def test_each_handler_of_a_shared_topic_keeps_its_own_retry_policy(redis_u
     assert dict(tries) == {"placed": 3, "cancelled": 1}
     assert dead == {"billing.placed": 3, "billing.cancelled": 1}
     assert (stats["billing.placed"]["dead_lettered"], stats["billing.cancelled"]["dead_lettered"]) == (1, 1)
+
+
+def test_the_example_of_the_guide_runs_and_prints_what_it_says(tmp_path: Path) -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "patterns-and-filters.md").read_text()
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "anyio.run(main)" in b]
+    (tmp_path / "example.py").write_text(block)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run(
+        [sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    printed = [line for line in run.stdout.splitlines() if line.startswith(("[", "{"))]  # not the log lines
+    assert printed == [
+        "['cancelled o-2 on orders.shop', 'placed o-1 on orders.web']",
+        "{'audit.placed': 1, 'audit.cancelled_eu': 0}",
+    ]

@@ -88,6 +88,7 @@ class Runtime:
         self._namespace = namespace
         self.consumers: list[Consumer] = []
         self._scopes = 0  # consumers built: each one's scope in the shared lanes
+        self._look_now = anyio.Event()  # refresh the pattern subscriptions now
         self.consumer_name = ""
         self._stop: anyio.Event | None = None
         self._stopping = False
@@ -173,7 +174,9 @@ class Runtime:
     async def _refresh_patterns(self, tg: anyio.abc.TaskGroup) -> None:
         """Every ``pattern_refresh`` seconds: wire and start the topics created since that a pattern matches."""
         while True:
-            await anyio.sleep(self.settings.pattern_refresh)
+            with anyio.move_on_after(self.settings.pattern_refresh):
+                await self._look_now.wait()  # is_idle saw a new matching topic: wire it at once
+            self._look_now = anyio.Event()
             try:
                 new = await self.subscriptions.wire()
             except Exception as exc:  # the broker unreachable for a moment: look again next time
@@ -331,6 +334,9 @@ class Runtime:
     async def is_idle(self, *, include_delayed: bool = True) -> bool:
         """True when nothing is in flight here and every group of ours has nothing left to deliver."""
         if self.lanes.busy or self.in_flight:
+            return False
+        if await self.subscriptions.unwired():  # a new topic for a pattern: its messages are ours too
+            self._look_now.set()
             return False
         inspect = as_introspection(self.broker)
         for consumer in self.consumers:

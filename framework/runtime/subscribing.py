@@ -54,6 +54,19 @@ class Subscriptions:
             for h in service.handlers
         )
 
+    async def unwired(self) -> bool:
+        """Whether the registry holds a topic a pattern matches that is not wired yet."""
+        if not self.patterns:
+            return False
+        registry = [spec.name for spec in await self.broker.list_destinations() if spec.is_topic]
+        return any(
+            name not in self.wired[s.name] and h.pattern.matches(name)
+            for s in self.services
+            for h in s.handlers
+            if h.pattern is not None
+            for name in registry
+        )
+
     async def wire(self) -> list[Consumer]:
         """Subscribe what is not wired yet; return the new consumers (leads and members)."""
         registry = await self.broker.list_destinations() if self.patterns else []
