@@ -355,5 +355,5 @@ class Runtime:
                 await anyio.sleep(poll)
 
     def declared(self) -> list[DestinationSpec]:
-        """Specs of the destinations this runtime consumes."""
+        """Specs of the destinations this runtime consumes (once running: patterns resolved)."""
         return [c.handler.spec for c in self.consumers if c.views]

@@ -80,8 +80,13 @@ class Admission:
             runnable = await check_inbox(self.wiring, ledger, runnable, channel)
             if self.watching and len(runnable) < len(checked):
                 self._dropped_duplicates(ledger, checked, runnable)
-        if handler.prepare is not None and runnable:
-            await self._prepare(ledger, runnable, channel)
+        if routed is not None:  # each handler's read-ahead for the messages it takes
+            for route in {id(r): r for r in routed.values() if r.handler.prepare is not None}.values():
+                mine = [d for d in runnable if routed[id(d)] is route]
+                if mine:
+                    await self._prepare(ledger, mine, channel, route.handler.prepare)
+        elif handler.prepare is not None and runnable:
+            await self._prepare(ledger, runnable, channel, handler.prepare)
         for d in runnable:
             env = d.envelope
             assert env is not None
@@ -118,12 +123,11 @@ class Admission:
             await self.sort_redeliveries(ledger, redelivered, by_lane, keyless, isolated)
         lanes.submit(self.worker, ledger, by_lane, keyless, isolated, scope)
 
-    async def _prepare(self, ledger: Ledger, runnable: list[Delivery], channel: Any) -> None:
+    async def _prepare(self, ledger: Ledger, runnable: list[Delivery], channel: Any, prepare: Any) -> None:
         """The handler's read-ahead for the batch (see ``Handler.prepare``): a failure is logged,
         never the batch's (its runs then read what they need themselves)."""
-        assert self.handler.prepare is not None
         try:
-            await self.handler.prepare(self.wiring.broker, runnable, ledger.fence, channel)
+            await prepare(self.wiring.broker, runnable, ledger.fence, channel)
         except Exception as exc:
             self.settle.log_unsettled("read-ahead failed; the runs read for themselves", exc, count=len(runnable))
 
