@@ -181,7 +181,7 @@ class Runtime:
                 new = await self.subscriptions.wire()
             except Exception as exc:  # the broker unreachable for a moment: look again next time
                 log.warning("could not refresh pattern subscriptions", error=f"{type(exc).__name__}: {exc}")
-                continue
+                new = self.subscriptions.take()  # those wired before the failure
             self.consumers += new
             for consumer in new:
                 tg.start_soon(consumer.run)

@@ -46,6 +46,7 @@ class Subscriptions:
         self.make = make
         self.wired: dict[str, set[str]] = {s.name: set() for s in self.services}  # service -> destinations
         self.patterns = any(h.pattern is not None for s in self.services for h in s.handlers)
+        self._built: list[Consumer] = []  # wired, not yet taken by the runtime
 
     def handles(self, service: Service, destination: str) -> bool:
         """Whether a handler of ``service`` reads ``destination`` (by its name or a pattern)."""
@@ -68,14 +69,19 @@ class Subscriptions:
         )
 
     async def wire(self) -> list[Consumer]:
-        """Subscribe what is not wired yet; return the new consumers (leads and members)."""
+        """Subscribe what is not wired yet; return the new consumers (leads and members). When a
+        subscription fails, the error is raised and the consumers wired before it wait for :meth:`take`."""
         registry = await self.broker.list_destinations() if self.patterns else []
-        consumers: list[Consumer] = []
         for service in self.services:
-            consumers += await self._wire_service(service, registry)
-        return consumers
+            await self._wire_service(service, registry)
+        return self.take()
 
-    async def _wire_service(self, service: Service, registry: list[DestinationSpec]) -> list[Consumer]:
+    def take(self) -> list[Consumer]:
+        """The consumers wired since the last call (so none is lost when a later subscription failed)."""
+        built, self._built = self._built, []
+        return built
+
+    async def _wire_service(self, service: Service, registry: list[DestinationSpec]) -> None:
         wired = self.wired[service.name]
         named = {h.destination.name: h.spec for h in service.handlers if h.pattern is None}
         topics = {spec.name: spec for spec in registry if spec.is_topic}
@@ -90,7 +96,6 @@ class Subscriptions:
             for name, spec in candidates.items():
                 if name not in wired and handler.pattern.matches(name):
                     targets.setdefault(name, (spec, []))[1].append(bound(handler, spec))
-        consumers: list[Consumer] = []
         for name, (spec, handlers) in targets.items():
             lead = handlers[0]
             views = await self.broker.subscribe(spec, service.name, lead.start)
@@ -98,9 +103,8 @@ class Subscriptions:
             if len(group) > 1 or lead.filter is not None:
                 group[0].route(group)
             wired.add(name)
-            consumers += group
+            self._built += group
             if any(h.pattern is not None for h in handlers):
                 log.info(
                     "pattern subscription wired", service=service.name, topic=name, handlers=[h.name for h in handlers]
                 )
-        return consumers
