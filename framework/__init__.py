@@ -36,6 +36,7 @@ from broker import BrokerUnavailable, ConfigurationError, Envelope, MessageTooLa
 from framework._payloads import PayloadError, converter
 from framework.client import Batch, Client, SyncClient
 from framework.context import Context
+from framework.lifespan import Resource, StartupError
 from framework.middleware import CallNext, InboundMessage, Middleware, Outcome
 from framework.observability import enable_metrics, enable_tracing
 from framework.retries import HandlerTimeout, RetryAfter, RetryPolicy
@@ -55,6 +56,9 @@ __all__ = [
     # which of a topic's events a handler takes, judged before decoding (docs/patterns-and-filters.md)
     "Filter",
     "MessageInfo",
+    # lifespan: resources opened once per worker process (svc.resource, ctx.resources[r]), hooks
+    "Resource",
+    "StartupError",
     # process managers: state per correlation id, one message per saga at a time
     "Saga",
     "SagaContext",

@@ -1,9 +1,14 @@
 """Payloads: typed Python values <-> message bodies (orjson JSON; attrs classes through cattrs).
 
-A handler declares the type it wants (an attrs class, a dataclass, ``dict``, ``list``, ``bytes``,
-``str`` or any type cattrs can structure); the body is decoded and structured into it before the
-handler runs. A body that is not JSON or does not fit the type raises :class:`PayloadError`
-whose message names the field, which sends the message to the dead-letter queue.
+A handler declares the type it wants (an attrs class, a dataclass, a Pydantic v2 model, ``dict``,
+``list``, ``bytes``, ``str`` or any type cattrs can structure); the body is decoded and structured
+into it before the handler runs. A body that is not JSON or does not fit the type raises
+:class:`PayloadError` whose message names the field, which sends the message to the dead-letter queue.
+
+Pydantic is never imported here: a class is a Pydantic model only if ``pydantic`` is already
+imported (a model's module imported it), so services without Pydantic do not need it installed.
+Models are validated by Pydantic itself (their own config: strict or lax) and encoded with
+``model_dump_json(by_alias=True)``, so what one service encodes the other validates.
 
 Internal apart from :data:`converter` and :class:`PayloadError`, which users import from
 :mod:`framework`.
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -75,12 +81,23 @@ def type_name(payload: Any) -> str:
     return cls.__name__
 
 
+def is_pydantic_model(tp: Any) -> bool:
+    """Whether ``tp`` is a Pydantic v2 model class (False, without importing it, when Pydantic is not loaded)."""
+    pydantic = sys.modules.get("pydantic")
+    return pydantic is not None and isinstance(tp, type) and issubclass(tp, pydantic.BaseModel)
+
+
 def encode_payload(payload: Any) -> tuple[bytes, str]:
     """Body bytes and content type of ``payload``; bytes pass through untouched."""
     if isinstance(payload, bytes | bytearray | memoryview):
         return bytes(payload), RAW_CONTENT_TYPE
     if isinstance(payload, dict | list | str | int | float | bool) or payload is None:
         return orjson.dumps(payload), JSON_CONTENT_TYPE
+    if is_pydantic_model(type(payload)):
+        try:
+            return payload.model_dump_json(by_alias=True).encode(), JSON_CONTENT_TYPE
+        except ValueError as exc:  # pydantic_core.PydanticSerializationError
+            raise TypeError(f"cannot encode a {type(payload).__name__} payload as JSON: {exc}") from None
     try:
         return orjson.dumps(converter.unstructure(payload)), JSON_CONTENT_TYPE
     except TypeError as exc:
@@ -110,6 +127,8 @@ def decoder_for(tp: Any) -> Callable[[bytes], Any]:
                 raise PayloadError(f"body is not JSON: {exc}") from None
 
         return decode_any
+    if is_pydantic_model(tp):
+        return _pydantic_decoder(tp)
     is_class = isinstance(tp, type)
     if (
         is_class
@@ -117,8 +136,8 @@ def decoder_for(tp: Any) -> Callable[[bytes], Any]:
         and tp not in (dict, list, str, int, float, bool, dt.datetime, dt.date, uuid.UUID)
     ):
         raise TypeError(
-            f"payload type {tp.__name__} is not supported: use an attrs class, a dataclass, dict, list, "
-            "bytes, str or a type registered on framework._payloads.converter"
+            f"payload type {tp.__name__} is not supported: use an attrs class, a dataclass, a Pydantic model, "
+            "dict, list, bytes, str or a type registered on framework._payloads.converter"
         )
     hook = converter.get_structure_hook(tp)
 
@@ -131,5 +150,30 @@ def decoder_for(tp: Any) -> Callable[[bytes], Any]:
             return hook(raw, tp)
         except Exception as exc:
             raise PayloadError(f"payload does not match {getattr(tp, '__name__', tp)}: {_describe(exc)}") from None
+
+    return decode
+
+
+def _pydantic_path(loc: tuple[int | str, ...]) -> str:
+    """``payload.items[0].sku`` for Pydantic's error location ``("items", 0, "sku")``."""
+    return "payload" + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+
+
+def _pydantic_decoder(tp: Any) -> Callable[[bytes], Any]:
+    """Validation by the model itself (one parse, in Rust); its errors named by field, as cattrs' are."""
+    from pydantic import ValidationError  # loaded already: tp is a model
+
+    validate = tp.model_validate_json
+    name = tp.__name__
+
+    def decode(body: bytes) -> Any:
+        try:
+            return validate(body)
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False, include_input=False)
+            if errors and errors[0]["type"] == "json_invalid":
+                raise PayloadError(f"body is not JSON: {errors[0]['msg']}") from None
+            reasons = "; ".join(f"{e['msg']} @ {_pydantic_path(e['loc'])}" for e in errors)
+            raise PayloadError(f"payload does not match {name}: {reasons}") from None
 
     return decode

@@ -15,6 +15,7 @@ from broker.state import Effects
 from framework._messages import Outgoing, build_envelope
 from framework.effects import sql_transaction
 from framework.handlers import Handler, HandlerError, Queue, Topic
+from framework.lifespan import RESOURCES, Resources
 from framework.logs import get_logger
 from framework.observability import hooks
 from framework.scheduling import with_due
@@ -148,6 +149,11 @@ class Context:
     def correlation_id(self) -> str:
         """The conversation's id: the first message's id, carried along by every hop."""
         return self.envelope.headers.get(CORRELATION_ID) or self.envelope.id
+
+    @property
+    def resources(self) -> Resources:
+        """The services' resources open in this process: ``ctx.resources[db]`` (see :mod:`framework.lifespan`)."""
+        return RESOURCES
 
     @property
     def outgoing(self) -> list[Outgoing]:

@@ -8,13 +8,14 @@ Handler signatures are checked when declared, so a mistake fails at import with 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from broker import Start, validate_name
 from framework._payloads import decoder_for
 from framework.handlers import DEFAULT_TIMEOUT, Handler, HandlerError, Queue, Topic, _inspect
+from framework.lifespan import LifespanEntry, Resource, declare
 from framework.retries import DEFAULT_RETRY, RetryPolicy
 from framework.saga import Saga
 from framework.saga.policy import DEFAULT_KEEP_COMPLETED
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 __all__ = ["Handler", "HandlerError", "Queue", "Service", "Topic"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+H = TypeVar("H", bound=Callable[[], Awaitable[None]])
 
 
 def _seconds(value: timedelta | float | None, where: str) -> float | None:
@@ -83,8 +86,33 @@ class Service:
         self.handlers: list[Handler] = []
         self.jobs: list[Job] = []  # recurring jobs (every/cron); each also has a handler on its queue
         self.middleware_chain: list[Middleware] = []
+        self.lifespan: list[LifespanEntry] = []  # resources and hooks, in declaration order
         for mw in middleware:
             self.middleware(mw)
+
+    def resource(self, fn: Callable[[], AsyncIterator[T]]) -> Resource[T]:
+        """Declare a resource opened once per worker process: ``fn`` is an async generator function
+        (open; ``yield value``; close), run before the first message and closed after the drain.
+        Handlers read the value with ``ctx.resources[resource]`` (see :mod:`framework.lifespan`)."""
+        return self._lifespan(fn, "resource")  # type: ignore[return-value]
+
+    def on_startup(self, fn: H) -> H:
+        """Declare ``async def fn() -> None`` run once per worker process before its first message."""
+        self._lifespan(fn, "on_startup")
+        return fn
+
+    def on_shutdown(self, fn: H) -> H:
+        """Declare ``async def fn() -> None`` run once per worker process after the drain (reverse order)."""
+        self._lifespan(fn, "on_shutdown")
+        return fn
+
+    def _lifespan(self, fn: Any, what: str) -> LifespanEntry:
+        try:
+            entry = declare(self.name, fn, what)
+        except ValueError as exc:
+            raise HandlerError(str(exc)) from None
+        self.lifespan.append(entry)
+        return entry
 
     def middleware(self, fn: Middleware) -> Middleware:
         """Add ``fn`` (``async def fn(message, ctx, call_next) -> Outcome``) to this service's middleware.

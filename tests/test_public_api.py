@@ -33,6 +33,8 @@ PUBLIC = {
         "HandlerError",
         "Filter",
         "MessageInfo",
+        "Resource",
+        "StartupError",
         "Saga",
         "SagaContext",
         "RetryPolicy",

@@ -126,6 +126,32 @@ async def test_key_function_orders_by_a_payload_field(redis_url: str, namespace:
     assert order == list(range(40))
 
 
+async def test_a_long_run_does_not_hold_back_the_settling_of_runs_its_lane_finished(
+    redis_url: str, namespace: str
+) -> None:
+    """A finished message of a key is published and acknowledged while the next message of its key
+    (same lane) still runs, not when that run ends: a crash meanwhile must not re-run it."""
+    worker = Service("slowlane", timeout=None)  # no handler timeout: the watchdog still settles stragglers
+    release = anyio.Event()
+
+    @worker.command("slowlane.jobs")
+    async def job(cmd: dict, ctx: Context) -> None:
+        ctx.publish("slowlane.done", {"n": cmd["n"]})
+        if cmd["n"] == 1:
+            await release.wait()
+
+    async with ServiceHarness([worker], url=redis_url, namespace=namespace) as h:
+        await h.client.send_many("slowlane.jobs", [{"n": 0}, {"n": 1}], key=lambda c: "k")
+        with anyio.fail_after(5):
+            while not await h.messages("slowlane.done") or h.stats()["slowlane.job"]["processed"] < 1:
+                await anyio.sleep(0.05)
+        done = [orjson.loads(e.body)["n"] for e in await h.messages("slowlane.done")]
+        assert done == [0], done
+        release.set()
+        await h.run_until_idle()
+        assert h.stats()["slowlane.job"]["processed"] == 2
+
+
 async def test_staged_messages_leave_only_when_the_handler_succeeds(redis_url: str, namespace: str) -> None:
     svc = Service("billing", retry=RetryPolicy(max_attempts=1))
 

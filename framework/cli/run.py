@@ -22,6 +22,7 @@ import anyio
 
 from framework.cli.args import metrics_address, metrics_options, positive_duration, positive_int
 from framework.cli.common import UsageError, connection_options
+from framework.lifespan import EXIT_STARTUP_FAILED, startup_failure
 from framework.logs import get_logger
 from framework.service import HandlerError, Service
 
@@ -146,6 +147,12 @@ def run_services(args: argparse.Namespace) -> int:
 
     try:
         anyio.run(main, backend_options={"use_uvloop": _use_uvloop()})
+    except BaseException as exc:  # a startup hook raised: one line naming it and the user's line, no traceback
+        hook = startup_failure(exc)
+        if hook is None:
+            raise
+        print(f"framework run: startup hook {hook.hook} failed: {_import_failure(hook.error)}", file=sys.stderr)
+        return EXIT_STARTUP_FAILED
     finally:
         from framework import observability
 

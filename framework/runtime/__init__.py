@@ -15,6 +15,8 @@ the services' own middleware.
 Shutdown (:meth:`Runtime.stop`, SIGTERM/SIGINT from the CLI): stop fetching, let in-flight handlers
 finish within ``shutdown_timeout``, flush acks, close. Whatever is left unacknowledged stays
 pending and is delivered again (to this consumer when it restarts, or claimed by another).
+The services' resources and startup hooks (:mod:`framework.lifespan`) run before any consumer
+starts; their shutdown side runs after that drain.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from broker import Broker, DestinationSpec, GroupPartition, connect, redact
 from broker.capabilities import SCHEDULING, as_inbox, as_introspection
 from framework._messages import Outgoing
 from framework.group_commit import GroupCommits
+from framework.lifespan import Lifespan
 from framework.logs import get_logger
 from framework.middleware import Middleware
 from framework.observability import hooks
@@ -136,11 +139,18 @@ class Runtime:
             )
             engine = await self._outbox_engine()
             groups = GroupCommits(self.settings)  # ctx.sql_transaction's group commit, per engine
+            lifespan = Lifespan(self.services)
+            if not await lifespan.open(self._stop):  # resources and startup hooks, before any consumer starts
+                log.info("stopped while the startup hooks ran: nothing was consumed")
+                return
             try:
-                with groups.installed():  # the lanes inherit it
+                with groups.installed(), lifespan.installed():  # the lanes inherit them
                     await self._serve(engine, task_status)
             finally:
-                await groups.aclose()  # the lanes have stopped: connections back to the pools
+                try:
+                    await groups.aclose()  # the lanes have stopped: connections back to the pools
+                finally:
+                    await lifespan.close(self.settings.shutdown_timeout)  # drained: resources close last
             if engine is not None:
                 await engine.dispose()
         finally:

@@ -43,6 +43,9 @@ __all__ = ["Consumer", "ConsumerStats"]
 
 log = get_logger("framework.runtime.consumer")
 
+_STRAGGLERS = 0.25
+"""Seconds a finished run may wait behind a long run of its lane before the watchdog settles it."""
+
 
 class Consumer:
     """Runs one handler of one service over the partitions of its destination (all, or those it owns)."""
@@ -90,10 +93,23 @@ class Consumer:
                 tg.start_soon(supervise, f"{label}.ownership", self.ownership.run)
             tg.start_soon(supervise, f"{label}.trim", every, settings.trim_interval, upkeep.trim, self._all)
             timeouts = [m.handler.timeout for m in self.members or [self] if m.handler.timeout is not None]
-            if timeouts:
-                interval = min(1.0, min(timeouts) / 4)
-                watch = lambda: upkeep.watch(list(self.states.values()))  # noqa: E731 - a duty with no arguments
-                tg.start_soon(supervise, f"{label}.watchdog", every_local, interval, watch)
+            interval = _STRAGGLERS if not timeouts else min(_STRAGGLERS, min(timeouts) / 4)
+            watch = functools.partial(self._watch, interval, bool(timeouts))
+            tg.start_soon(supervise, f"{label}.watchdog", every_local, interval, watch)
+
+    async def _watch(self, interval: float, timeouts: bool) -> None:
+        """The watchdog's pass: cancel runs past their timeout (``timeouts``: some handler here has one),
+        then settle runs a lane finished that wait behind a long run (it cannot settle them until that
+        run ends) for ``interval`` or more."""
+        ledgers = list(self.states.values())
+        if timeouts:
+            await self.upkeep.watch(ledgers)
+        now = time.monotonic()
+        for ledger in ledgers:
+            for slot in list(ledger.slots):
+                done = slot.pending
+                if done is not None and done.deliveries and slot.delivery is not None and now - done.since >= interval:
+                    await self.settle.finished(ledger, done)
 
     async def serve(
         self, ledger: Ledger, intake: anyio.CancelScope | None = None, intake_done: anyio.Event | None = None
@@ -192,6 +208,7 @@ class Consumer:
         slot = Slot()
         slot.timeout = self.handler.timeout or math.inf  # the watchdog may be another handler's (shared group)
         slot.flush = functools.partial(self._settle_now, ledger, done)
+        slot.pending = done
         ledger.slots.add(slot)
         started = time.perf_counter()
         context = logcontext.enter(slot, self.handler)  # log lines name the slot's current run

@@ -64,6 +64,7 @@ class Slot:
         "flush",
         "index",
         "observed",
+        "pending",
         "runs",
         "scope",
         "seen_at",
@@ -86,6 +87,7 @@ class Slot:
         # settles the runs this lane finished and sends the partition's queued acks now (a saga step
         # whose commit builds on a state write its instance's earlier step sent with its ack)
         self.flush: Callable[[], Awaitable[None]] | None = None
+        self.pending: Any = None  # the lane's finished, unsettled runs (framework.runtime.settle.Finished)
 
 
 class Lease:

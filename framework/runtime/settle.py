@@ -44,7 +44,7 @@ SETTLED: Any = object()  # an attempt whose message is settled already (effects 
 class Finished:
     """Runs that finished in a lane and wait to be settled: published, then acknowledged."""
 
-    __slots__ = ("credits", "deliveries", "duplicate_ids", "duplicates", "outgoing", "since")
+    __slots__ = ("credits", "deliveries", "duplicate_ids", "duplicates", "outgoing", "publishing", "since")
 
     def __init__(self) -> None:
         self.credits: list[Any] = []  # counters of other handlers of a shared group, one per success of theirs
@@ -53,6 +53,9 @@ class Finished:
         self.duplicates = 0
         self.duplicate_ids: list[int] = []  # id() of the duplicate deliveries (for the debug lines)
         self.since = 0.0
+        # set while a settle of these runs publishes their staged messages: the lane and the watchdog
+        # (settling runs a long next run holds back) both settle them, one after the other, in order
+        self.publishing: anyio.Event | None = None
 
     def add(self, d: Delivery, ctx: Context, now: float, stats: Any = None) -> None:
         """Record a successful run finished at ``now`` (monotonic); ``stats``: the counters of the
@@ -96,6 +99,8 @@ class Settlement:
 
     async def finished(self, ledger: Ledger, done: Finished) -> None:
         """Publish what finished handlers staged, then queue their acks (one flush for many)."""
+        while done.publishing is not None:  # an earlier settle of this lane's runs is publishing: keep order
+            await done.publishing.wait()
         if not done.deliveries:
             return
         deliveries, outgoing, duplicates = done.deliveries, done.outgoing, done.duplicates
@@ -106,6 +111,7 @@ class Settlement:
         if credits:
             done.credits = []
         if outgoing:
+            done.publishing = publishing = anyio.Event()
             try:
                 await self.wiring.publish(outgoing)
             except Exception as exc:
@@ -115,6 +121,9 @@ class Settlement:
                 ledger.forget(deliveries)
                 ledger.broken()
                 return
+            finally:
+                done.publishing = None
+                publishing.set()
         for stats in credits:  # successes of other handlers sharing the group: counted as theirs
             stats.processed += 1
         self.stats.processed += len(deliveries) - duplicates - len(credits)
