@@ -21,7 +21,7 @@ from framework.dead_letters.reasons import poison_reason
 from framework.inbox import check_inbox
 from framework.logs import debug_enabled
 from framework.observability import logcontext
-from framework.runtime.dispatch import Routes
+from framework.runtime.dispatch import Routed, Routes
 from framework.runtime.lanes import Worker
 from framework.runtime.ledger import Ledger
 from framework.runtime.settle import Settlement
@@ -155,10 +155,11 @@ class Admission:
         a bystander held through two crashes would otherwise reach the limit without ever
         having run alone.
         """
-        max_attempts = self.handler.retry.max_attempts
-        candidates = [d for d, _, _ in items if d.delivery_count > 1]
+        candidates = [
+            d for d, p, _ in items if d.delivery_count > 1 and _owner(self, p).handler.retry.max_attempts >= 3
+        ]
         first: dict[int, bool] = {}
-        if candidates and max_attempts >= 3:
+        if candidates:
             try:
                 flags = await self.wiring.broker.count_first_redeliveries(candidates)
             except Exception as exc:
@@ -175,8 +176,9 @@ class Admission:
                 if first.get(id(d), False):  # its first redelivered run, counted just now
                     assert d.envelope is not None
                     attempt = d.envelope.attempt + 1
-                    if attempt > max_attempts:
-                        await self._dead_letter(ledger, d, self._crash_loop_reason(d, attempt))
+                    owner = _owner(self, payload)  # the handler that runs it (a shared group's member)
+                    if attempt > owner.handler.retry.max_attempts:
+                        await owner._dead_letter(ledger, d, owner._crash_loop_reason(d, attempt))
                         continue
                     d.delivery_count = 2  # so d.attempt is this run's attempt number
                 else:
@@ -272,3 +274,8 @@ class Admission:
             "the worker holding it crashed or stalled past the visibility timeout each time",
             attempts=attempt - 1,
         )
+
+
+def _owner(admission: Admission, payload: Any) -> Admission:
+    """The admit stage of the handler that runs a work: a routed work's member's, else ``admission``."""
+    return payload.member.admission if type(payload) is Routed else admission
