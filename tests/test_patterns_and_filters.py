@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections import defaultdict
@@ -19,9 +20,10 @@ import anyio
 import attrs
 import pytest
 
-from framework import Context, Filter, HandlerError, MessageInfo, Service
+from framework import Context, Filter, HandlerError, MessageInfo, Service, SyncClient
 from framework.subscriptions import Pattern, names_overlap
 from framework.testing import TEST_SETTINGS, ServiceHarness
+from tests.workers import Workers, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -482,3 +484,35 @@ def test_the_example_of_the_guide_runs_and_prints_what_it_says(tmp_path: Path) -
         "['cancelled o-2 on orders.shop', 'placed o-1 on orders.web']",
         "{'audit.placed': 1, 'audit.cancelled_eu': 0}",
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_crash_loop_in_a_shared_topic_dead_letters_by_the_policy_of_the_handler_that_runs_it(
+    workers: Workers, redis_url: str, namespace: str
+) -> None:
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    with SyncClient(redis_url, namespace=namespace) as client:
+        crash_id = client.publish("filtered.events", {"n": "crash"}, type="Crash", key="hot")
+        for n in range(10):
+            client.publish("filtered.events", {"n": str(n)}, type="Normal", key="hot" if n < 3 else None)
+    dlq = f"{namespace}:{{filtered.events:0}}:g:filtered:dlq"
+    exits = []
+    for _ in range(6):  # crashy's max_attempts is 3 (the service's, and normal's, is 6)
+        w = workers.start("filterapp:worker", "w", "--concurrency", "4", "--visibility-timeout", "30")
+        wait_for(lambda w=w: w.poll() is not None or r.xlen(dlq) > 0, 60, "crash or DLQ")
+        if w.poll() is None:
+            wait_for(lambda: r.llen(f"{namespace}:test:normal") >= 10, 60, "the normal events")
+            w.send_signal(signal.SIGTERM)
+            assert w.wait(timeout=30) == 0
+            break
+        exits.append(w.returncode)
+    assert exits == [17, 17, 17]
+    [(_, dead)] = r.xrange(dlq)
+    assert dead[b"id"].decode() == crash_id
+    assert dead[b"dlq-handler"] == b"filtered.crashy"
+    assert b"(max_attempts 3)" in dead[b"dlq-reason"]
+    normal = [v.decode() for v in r.lrange(f"{namespace}:test:normal", 0, -1)]
+    assert sorted(set(normal), key=int) == [str(n) for n in range(10)]
