@@ -516,3 +516,32 @@ def test_a_crash_loop_in_a_shared_topic_dead_letters_by_the_policy_of_the_handle
     assert b"(max_attempts 3)" in dead[b"dlq-reason"]
     normal = [v.decode() for v in r.lrange(f"{namespace}:test:normal", 0, -1)]
     assert sorted(set(normal), key=int) == [str(n) for n in range(10)]
+
+
+@pytest.mark.parametrize("transport", ["redis", "memory"])
+async def test_each_handler_of_a_shared_topic_keeps_its_own_timeout(
+    transport: str, redis_url: str, namespace: str
+) -> None:
+    from framework import RetryPolicy
+
+    fast_done: list[str] = []
+    svc = Service("billing", timeout=None)  # the lead (declared first) has no limit
+
+    @svc.event("orders", filter=Filter(type=OrderPlaced))
+    async def fast(event: OrderPlaced) -> None:
+        await anyio.sleep(0.5)
+        fast_done.append(event.order_id)
+
+    @svc.event("orders", filter=Filter(type=OrderCancelled), timeout=0.2, retry=RetryPolicy(max_attempts=1))
+    async def slow(event: OrderCancelled) -> None:
+        await anyio.sleep(30)
+
+    url = redis_url if transport == "redis" else "memory://"
+    async with ServiceHarness([svc], url=url, namespace=namespace) as h:
+        await h.client.publish("orders", OrderPlaced("p"))
+        await h.client.publish("orders", OrderCancelled("c"))
+        with anyio.fail_after(10):
+            await h.run_until_idle()
+        [dead] = await h.dead_letters()
+    assert fast_done == ["p"]  # longer than slow's timeout, not cut short
+    assert dead.handler == "billing.slow" and "0.2 s timeout" in dead.reason

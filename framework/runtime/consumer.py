@@ -279,14 +279,12 @@ class Consumer:
             slot.index = index
             runner = self
             if type(payload) is Routed:  # a shared group's work: run by the handler its filter picked
-                runner, payload = payload.member, payload.payload
-                slot.timeout = runner.handler.timeout or math.inf
-            if suspect:
-                ctx = await runner._run_suspect(ledger, d, payload, slot)
-            elif runner is self:
-                ctx = await run(ledger, d, payload, d.attempt, slot)
+                runner = payload.member
+                ctx = await self._run_routed(runner, ledger, d, payload.payload, slot, suspect)
+            elif suspect:
+                ctx = await self._run_suspect(ledger, d, payload, slot)
             else:
-                ctx = await runner.attempts.run(ledger, d, payload, d.attempt, slot)
+                ctx = await run(ledger, d, payload, d.attempt, slot)
             ended = clock()
             if ctx is not None and ctx is not SETTLED:
                 done.add(d, ctx, ended, None if runner is self else runner.stats)
@@ -295,6 +293,20 @@ class Consumer:
                 if ended - done.since >= interval or ended - began >= interval:
                     return True
             began = ended
+
+    async def _run_routed(
+        self, runner: Consumer, ledger: Ledger, d: Any, payload: Any, slot: Slot, suspect: bool
+    ) -> Any:
+        """Run a shared group's work with the stages of ``runner``, the member its filter picked: its
+        attempt, retry policy, timeout and log context (the lead's ledger and lanes)."""
+        slot.timeout = runner.handler.timeout or math.inf
+        token = logcontext.enter(slot, runner.handler)
+        try:
+            if suspect:
+                return await runner._run_suspect(ledger, d, payload, slot)
+            return await runner.attempts.run(ledger, d, payload, d.attempt, slot)
+        finally:
+            logcontext.leave(token)
 
     async def _run_suspect(self, ledger: Ledger, d: Any, payload: Any, slot: Slot) -> Any:
         """Run a suspect (see :meth:`Admission.sort_redeliveries`): counted first, settled at once.
