@@ -176,6 +176,11 @@ class Service:
         dest = topic if isinstance(topic, Topic) else Topic(topic)
         pattern = None
         if is_pattern(dest.name):
+            if isinstance(topic, Topic):
+                raise HandlerError(
+                    f"{self.name}: Topic({dest.name!r}) is a pattern: pass it as a string; the topics it matches "
+                    "keep their own partitions and retention"
+                )
             try:
                 pattern = Pattern.parse(dest.name)
             except ValueError as exc:

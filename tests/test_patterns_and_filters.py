@@ -20,7 +20,7 @@ import anyio
 import attrs
 import pytest
 
-from framework import Context, Filter, HandlerError, MessageInfo, Service, SyncClient
+from framework import Context, Filter, HandlerError, MessageInfo, Service, SyncClient, Topic
 from framework.subscriptions import Pattern, names_overlap
 from framework.testing import TEST_SETTINGS, ServiceHarness
 from tests.workers import Workers, wait_for
@@ -70,6 +70,12 @@ def test_a_malformed_pattern_fails_at_declaration_naming_it(pattern: str, why: s
 
     assert repr(pattern) in str(err.value) and "audit" in str(err.value)
     assert svc.handlers == []
+
+
+def test_a_pattern_is_given_as_a_string_not_a_topic_layout() -> None:
+    svc = Service("audit")
+    with pytest.raises(HandlerError, match=r"Topic\('orders\.\*'\) is a pattern: pass it as a string"):
+        svc.event(Topic("orders.*", partitions=4))
 
 
 @pytest.mark.parametrize(
