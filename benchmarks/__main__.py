@@ -29,7 +29,7 @@ import attrs
 import orjson
 from rich.console import Console
 
-from benchmarks import faststream_bench, machine, procs, runtime_bench, tracing_bench
+from benchmarks import batch_bench, faststream_bench, machine, procs, runtime_bench, tracing_bench
 from benchmarks.report import Report
 from benchmarks.rows import SQL_FRAMEWORK_KINDS, SQL_WORK_MS, SQL_WORKERS, _sql_key, _table
 
@@ -38,6 +38,7 @@ __all__ = ["BENCHMARKS", "Sizes", "main"]
 BENCHMARKS = (
     "raw",
     "commands",
+    "batch",
     "events",
     "latency",
     "peer",
@@ -52,8 +53,10 @@ BENCHMARKS = (
     "schedule",
     "saga",
     "rabbitmq",
+    "workers",
+    "reply",
 )
-_NEEDS_RAW = {"commands", "events", "memory", "peer"}  # their ratios need the ceiling of the same run
+_NEEDS_RAW = {"commands", "events", "memory", "peer", "batch"}  # their ratios need the ceiling of the same run
 
 
 @attrs.frozen
@@ -208,6 +211,9 @@ class Runner(Report):
                         lambda inbox=inbox: runtime_bench.commands(url, s.messages, inbox=inbox, progress=p),
                         r,
                     )
+            if "batch" in self.selected:  # batch handlers (#35), next to the commands drain of this round
+                for key, call in batch_bench.trials(url, s.messages, progress=p):
+                    self._trial(key, call, r)
             if "events" in self.selected:
                 self._trial("events:3", lambda: runtime_bench.events(url, s.messages, progress=p), r)
             if "latency" in self.selected:
@@ -285,6 +291,17 @@ class Runner(Report):
                 "saga",
                 "benchmarks.saga_bench",
                 lambda m: m.run(url, messages=s.messages // 4, repeats=self.repeats, sql=True),
+            )
+
+        if "workers" in self.selected:  # `framework run --workers 2` vs two separate processes (#36)
+            self._external(
+                "workers", "benchmarks.workers_bench", lambda m: m.run(url, messages=s.messages, repeats=self.repeats)
+            )
+        if "reply" in self.selected:  # request/reply (#35): round trips next to a raw redis-py loop, same run
+            self._external(
+                "reply",
+                "benchmarks.reply_bench",
+                lambda m: m.run(url, requests=max(500, s.messages // 10), repeats=self.repeats),
             )
 
     def _external(self, name: str, module_name: str, call: Callable[[Any], dict[str, Any]]) -> None:
@@ -379,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     selected = list(args.only or BENCHMARKS)
     if _NEEDS_RAW & set(selected) and "raw" not in selected:
         selected.insert(0, "raw")
+    if "batch" in selected and "commands" not in selected:  # its row is next to the per-message handler's
+        selected.insert(selected.index("batch"), "commands")
     signal.signal(signal.SIGTERM, _on_sigterm)
     started = time.time()
     try:

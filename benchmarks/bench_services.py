@@ -23,7 +23,7 @@ import attrs
 import orjson
 import redis.asyncio as aredis
 
-from framework import Queue, Service, Topic
+from framework import BatchPolicy, Queue, Service, Topic
 
 __all__ = [
     "COMMANDS",
@@ -32,6 +32,7 @@ __all__ = [
     "BenchMessage",
     "body",
     "commands",
+    "commands_batch",
     "commands_no_inbox",
     "done_key",
     "event_services",
@@ -127,6 +128,16 @@ class _Counter:
         if self.count == self.tally.expect:
             await self.tally.finish_one(time.time_ns())
 
+    async def hit_many(self, k: int) -> None:
+        """Count ``k`` messages (a batch); report when this handler reached the expected count."""
+        before, self.count = self.count, self.count + k
+        if before == 0:
+            now = time.time_ns()
+            if self.tally.first_ns == 0 or now < self.tally.first_ns:
+                self.tally.first_ns = now
+        if before < self.tally.expect <= self.count:
+            await self.tally.finish_one(time.time_ns())
+
 
 _tally = _Tally()
 
@@ -147,6 +158,17 @@ def _counting_service(name: str, destination: Queue | Topic, *, inbox: bool = Tr
 
 commands = _counting_service("bench-commands", COMMANDS)
 """Commands with the inbox on (the framework's default)."""
+
+commands_batch = Service("bench-commands-batch")
+"""The same commands to a batch handler (inbox on): up to 500 per call (issue #35)."""
+_batch_counter = _Counter(_tally)
+
+
+@commands_batch.command(COMMANDS, batch=BatchPolicy(max_size=500, max_wait=0.05))
+async def handle_batch(messages: list[BenchMessage]) -> None:
+    """Count a batch of commands."""
+    await _batch_counter.hit_many(len(messages))
+
 
 commands_no_inbox = _counting_service("bench-commands-noinbox", COMMANDS, inbox=False)
 """The same commands with the inbox off."""

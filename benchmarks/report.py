@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import faststream_bench, tracing_bench
+from benchmarks import batch_bench, faststream_bench, tracing_bench
 from benchmarks.rows import (
     SQL_FRAMEWORK_KINDS,
     SQL_WORK_MS,
@@ -23,10 +23,12 @@ from benchmarks.rows import (
     _ownership_row,
     _rabbitmq_row,
     _rate,
+    _reply_row,
     _saga_row,
     _saga_sql_row,
     _schedule_row,
     _sql_key,
+    _workers_row,
     stats,
 )
 
@@ -139,6 +141,7 @@ class Report(SqlRows):
             out["latency_inbox_p50_added_ms"] = {"paired": stats(added)}
         out.update(tracing_bench.summary(self.trials))
         out.update(faststream_bench.summary(self.trials))
+        out.update(batch_bench.summary(self.trials))
         return out
 
     def rows(self) -> list[Row]:
@@ -261,6 +264,8 @@ class Report(SqlRows):
                         ok=added["median"] <= LATENCY_P50_INBOX_MS,
                     )
                 )
+        if "batch" in self.selected:
+            rows += [Row(**row) for row in batch_bench.rows(sm, self.errors)]
         if "peer" in self.selected:
             rows += [Row(**row) for row in faststream_bench.rows(sm, self.errors, self.sizes.latency_rate)]
         if "observability" in self.selected:
@@ -342,6 +347,10 @@ class Report(SqlRows):
             rows.append(self._external_row("sagas", sg[0], _saga_row))
             if "saga_sql" in sg[0].get("medians", {}):
                 rows.append(self._external_row("sagas", sg[0], _saga_sql_row))
+        if not not_run("workers", "--workers 2") and (wk := self.trials.get("workers")):
+            rows.append(self._external_row("--workers 2", wk[0], _workers_row))
+        if not not_run("reply", "request/reply") and (rr := self.trials.get("reply")):
+            rows.append(self._external_row("request/reply", rr[0], _reply_row))
         if "rabbitmq" in self.selected:
             if "rabbitmq" in self.errors:
                 rows.append(Row("RabbitMQ transport", f"[yellow]{self.errors['rabbitmq']}[/yellow]"))

@@ -303,10 +303,12 @@ def commands(
     extra_args: Sequence[str] = (),
     launcher: Sequence[str] = FRAMEWORK,
     on_settled: Callable[[], dict[str, Any]] | None = None,
+    target: str | None = None,
 ) -> dict[str, Any]:
     """Send ``n`` commands with the client, then drain them with one worker; msgs/s of the drain.
 
-    ``env``, ``extra_args``, ``launcher`` and ``on_settled`` go to the worker (see :func:`_worker`, :func:`_drain`).
+    ``env``, ``extra_args``, ``launcher`` and ``on_settled`` go to the worker (see :func:`_worker`, :func:`_drain`);
+    ``target`` names the service of :mod:`benchmarks.bench_services` it runs (default: by ``inbox``).
     """
     namespace = unique_namespace("bench")
     label = label or f"commands (inbox {'on' if inbox else 'off'})"
@@ -317,7 +319,7 @@ def commands(
         result = _drain(
             url,
             namespace,
-            "commands" if inbox else "commands_no_inbox",
+            target or ("commands" if inbox else "commands_no_inbox"),
             n=n,
             handlers=1,
             stream=stream,

@@ -15,6 +15,7 @@ its first message. Each capability is a protocol of the methods it adds to :clas
 | ``introspection`` | :class:`~broker.introspection.Introspection` | yes | yes | yes |
 | ``state`` | :class:`StateStore` | yes (hashes under the partition's hash tag) | yes | no |
 | ``redis`` | :class:`RedisStore` | yes | no | no |
+| ``replies`` | :class:`ReplyStore` | yes (a stream per requester, PEXPIRE) | yes | yes (queues with ``x-expires``) |
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "INTROSPECTION",
     "OWNERSHIP",
     "REDIS",
+    "REPLIES",
     "SCHEDULING",
     "STATE",
     "DeadLetterAdmin",
@@ -42,6 +44,7 @@ __all__ = [
     "PartitionOwnership",
     "RedisStore",
     "RedisTransaction",
+    "ReplyStore",
     "Scheduler",
     "StateStore",
     "as_dead_letter_admin",
@@ -49,6 +52,7 @@ __all__ = [
     "as_introspection",
     "as_ownership",
     "as_redis",
+    "as_replies",
     "as_scheduler",
     "as_state",
     "missing",
@@ -71,6 +75,8 @@ STATE = "state"
 REDIS = "redis"
 """The Redis data store beside the streams (:class:`RedisStore`): ``ctx.redis``,
 ``ctx.redis_transaction()``: a handler's own Redis writes atomic with the ack."""
+REPLIES = "replies"
+"""Reply destinations per requester that expire when it is gone (:class:`ReplyStore`): request/reply."""
 
 
 @runtime_checkable
@@ -340,6 +346,41 @@ class RedisStore(Protocol):
         ...
 
 
+@runtime_checkable
+class ReplyStore(Protocol):
+    """Durable reply destinations, one per requester instance, that expire unless kept alive.
+
+    A reply is an envelope whose ``destination`` is the reply destination's name. A requester
+    opens its destination, keeps it with :meth:`open_replies` (each call pushes its expiry back),
+    and reads what was stored after a cursor, so a short disconnect loses no reply.
+    """
+
+    async def open_replies(self, name: str, ttl_ms: int) -> None:
+        """Create reply destination ``name`` (empty) if it does not exist; it expires ``ttl_ms`` from now."""
+        ...
+
+    async def send_replies(self, replies: Sequence[Envelope]) -> int:
+        """Store each reply on its destination if that destination exists; return how many were
+        stored (a reply to an expired or deleted destination is dropped: its requester is gone)."""
+        ...
+
+    async def read_replies(
+        self, name: str, cursor: str, *, block_ms: int = 0, count: int = 100
+    ) -> tuple[str, list[Envelope]]:
+        """Replies stored on ``name`` after ``cursor`` ('0': the first), waiting up to ``block_ms``
+        for one, and the cursor to read from next; replies up to ``cursor`` (read before) are removed.
+        [] when it does not exist."""
+        ...
+
+    async def replies_exist(self, name: str) -> bool:
+        """Whether reply destination ``name`` exists (not expired, not closed)."""
+        ...
+
+    async def close_replies(self, name: str) -> None:
+        """Delete reply destination ``name`` now, with any reply on it."""
+        ...
+
+
 def supports(broker: Broker, capability: str) -> bool:
     """Whether ``broker`` declares ``capability`` (one of this module's names)."""
     return capability in broker.capabilities
@@ -383,6 +424,11 @@ def as_state(broker: Broker) -> StateStore:
 def as_redis(broker: Broker) -> RedisStore:
     """``broker`` as a :class:`RedisStore`; ``TypeError`` when it has none."""
     return cast("RedisStore", _narrow(broker, REDIS))
+
+
+def as_replies(broker: Broker) -> ReplyStore:
+    """``broker`` as a :class:`ReplyStore`; ``TypeError`` when it has none."""
+    return cast("ReplyStore", _narrow(broker, REPLIES))
 
 
 def _narrow(broker: Broker, name: str) -> Broker:

@@ -119,7 +119,13 @@ async def _connect_amqp(url: str, namespace: str | None) -> Broker:
         raise BrokerUnavailable(
             f"{redact(url)!r} needs the RabbitMQ client (aio-pika): pip install 'framework[rabbitmq]'"
         ) from None
-    broker: Broker = await connect_rabbitmq(url, namespace=namespace, inbox=_side_inbox(url, namespace))
+    inbox = _side_inbox(url, namespace)
+    schedule = None
+    if inbox is not None:  # scheduled messages and recurring jobs live in the inbox's Redis too
+        from broker.redis.side_schedule import RedisSchedule
+
+        schedule = RedisSchedule(inbox)
+    broker: Broker = await connect_rabbitmq(url, namespace=namespace, inbox=inbox, schedule=schedule)
     return broker
 
 

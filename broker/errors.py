@@ -48,10 +48,17 @@ class DecodeError(BrokerError):
 class MessageTooLarge(BrokerError, ValueError):
     """A message body is over the maximum body size; nothing was stored."""
 
-    def __init__(self, destination: str, size: int, limit: int) -> None:
+    def __init__(self, destination: str, size: int, limit: int, *, server: str | None = None) -> None:
         self.destination = destination
         self.size = size
         self.limit = limit
+        if server is not None:  # refused by the server's own limit, above ours
+            super().__init__(
+                f"{server} refused the message for {destination!r}: {size:,} bytes, over its max message size of "
+                f"{limit:,} bytes; send large data out of band (e.g. object storage) and pass a reference, and "
+                "keep FRAMEWORK_MAX_BODY_BYTES below the server's limit"
+            )
+            return
         super().__init__(
             f"message body for {destination!r} is {size:,} bytes, over the limit of {limit:,} bytes: "
             "send large data out of band (e.g. object storage) and pass a reference, or raise the limit "

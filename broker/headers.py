@@ -11,6 +11,7 @@ __all__ = [
     "CAUSATION_ID",
     "CONTENT_TYPE",
     "CORRELATION_ID",
+    "DEADLINE",
     "DELIVER_AT",
     "DLQ_ATTEMPTS",
     "DLQ_DEAD_AT",
@@ -26,6 +27,9 @@ __all__ = [
     "DLQ_TRACEBACK",
     "FIRST_FAILED_AT",
     "IDEMPOTENCY_KEY",
+    "IN_REPLY_TO",
+    "REPLY_STATUS",
+    "REPLY_TO",
     "TRACEPARENT",
     "TRACESTATE",
 ]
@@ -39,6 +43,10 @@ CAUSATION_ID = "causation-id"  # id of the message whose handler sent this one
 CONTENT_TYPE = "content-type"  # of the body; "application/json" unless bytes were sent raw
 IDEMPOTENCY_KEY = "idempotency-key"  # producer-chosen key for publish dedup
 DELIVER_AT = "deliver-at"  # Unix ms: publish stores the message until then (broker/redis/scheduling.py)
+REPLY_TO = "reply-to"  # a request: the reply destination of its requester (framework/requests.py)
+DEADLINE = "deadline"  # a request: Unix ms after which its handler does not start it
+IN_REPLY_TO = "in-reply-to"  # a reply: the id of the request it answers
+REPLY_STATUS = "reply-status"  # a reply: "ok" (body: the handler's return value) or "error" (body: the fault)
 
 # --- dead-letter entry fields (stored next to the original message's fields) --------------------
 DLQ_REASON = "dlq-reason"  # one line: why the message is here

@@ -22,10 +22,11 @@ Layers: a module imports only from its own layer or the layers below it, and no 
 circle, counting imports inside functions and under ``TYPE_CHECKING`` (``tests/layers.py``).
 From the bottom: leaf helpers (``_payloads``, ``retries``, ``settings``, ``sql``, ``logs``,
 ``subscriptions`` with topic patterns and filters, ``handlers`` with Queue/Topic/Handler,
-``outcomes``, ``_messages``, ``scheduling``, the outbox tables in ``outbox.schema``) ->
-``observability`` (tracing, metrics, the consumer's observer, the ``hooks`` switches, log
-context) and ``logconfig`` -> the database ``outbox`` and its relay
--> handler effects (``group_commit``, ``effects``) -> the handler ``context`` and ``middleware``
+``outcomes``, ``_messages``, ``replies``, ``scheduling``, the outbox tables in ``outbox.schema``)
+-> ``observability`` (tracing, metrics, the consumer's observer, the ``hooks`` switches, log
+context) and ``logconfig`` -> the database ``outbox`` and its relay -> handler effects
+(``group_commit``, ``effects``) and the requester (``requests``) -> the handler ``context`` and
+``middleware``
 -> ``saga`` -> ``service`` -> ``client``, ``inbox``, ``dead_letters`` and the actor ``runtime``
 -> ``testing``, ``cli`` and this module. A lower module that needs a higher one's object gets it
 passed in, typed by a small Protocol of its own (``_sql_block.SqlRun`` for the context,
@@ -34,11 +35,14 @@ passed in, typed by a small Protocol of its own (``_sql_block.SqlRun`` for the c
 
 from broker import BrokerUnavailable, ConfigurationError, Envelope, MessageTooLarge
 from framework._payloads import PayloadError, converter
+from framework.batch_context import BatchContext
+from framework.batching import BatchAborted, BatchFailed, BatchPolicy
 from framework.client import Batch, Client, SyncClient
 from framework.context import Context
 from framework.lifespan import Resource, StartupError
 from framework.middleware import CallNext, InboundMessage, Middleware, Outcome
 from framework.observability import enable_metrics, enable_tracing
+from framework.requests import ReplyDecodeError, RequestError, RequestFailed, RequestTimeout
 from framework.retries import HandlerTimeout, RetryAfter, RetryPolicy
 from framework.runtime import Runtime
 from framework.saga import Saga, SagaContext
@@ -59,6 +63,11 @@ __all__ = [
     # lifespan: resources opened once per worker process (svc.resource, ctx.resources[r]), hooks
     "Resource",
     "StartupError",
+    # batch handlers: a list of messages per call, settled per message
+    "BatchPolicy",
+    "BatchFailed",
+    "BatchAborted",
+    "BatchContext",
     # process managers: state per correlation id, one message per saga at a time
     "Saga",
     "SagaContext",
@@ -70,6 +79,11 @@ __all__ = [
     "Client",
     "SyncClient",
     "Batch",
+    # request/reply: client.request(...) / ctx.request(...)
+    "RequestError",
+    "RequestTimeout",
+    "RequestFailed",
+    "ReplyDecodeError",
     # running
     "Runtime",
     "RuntimeSettings",

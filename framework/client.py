@@ -1,7 +1,8 @@
 """Publishing from plain code: an async :class:`Client` and a blocking :class:`SyncClient`.
 
 ``send`` puts a command on a queue, ``publish`` an event on a topic; both return once the message
-is stored. ``send_many``/``publish_many`` and :meth:`Client.batch` pipeline many messages in one
+is stored. ``request`` sends a command and waits for its handler's return value (request/reply,
+:mod:`framework.requests`). ``send_many``/``publish_many`` and :meth:`Client.batch` pipeline many messages in one
 round trip. ``idempotency_key`` makes a repeated publish (a retried HTTP request, say) a no-op
 within the broker's dedup window (``send``/``publish`` then return None instead of an id).
 """
@@ -21,6 +22,7 @@ from broker.codec import check_body_size
 from broker.codec import max_body_bytes as max_body_setting
 from framework._messages import Outgoing, build_envelope
 from framework.observability import hooks
+from framework.requests import DEFAULT_REPLY_TTL, Requester
 from framework.scheduling import with_due
 from framework.service import Queue, Topic
 
@@ -69,8 +71,11 @@ class Client:
         namespace: str | None = None,
         broker: Broker | None = None,
         max_body_bytes: int | None = None,
+        reply_ttl: float = DEFAULT_REPLY_TTL,
     ) -> None:
         self._url = url
+        self._reply_ttl = reply_ttl
+        self._requester: Requester | None = None
         self._namespace = namespace
         self._broker = broker
         self._max_body_bytes = max_body_setting(max_body_bytes) if max_body_bytes is not None else None
@@ -100,7 +105,10 @@ class Client:
         return self._broker
 
     async def close(self) -> None:
-        """Close the connection if this client opened it."""
+        """Close the connection if this client opened it (and delete its reply destination)."""
+        if self._requester is not None:
+            requester, self._requester = self._requester, None
+            await requester.close()
         if self._owns and self._broker is not None:
             await self._broker.close()
             self._broker = None
@@ -212,6 +220,37 @@ class Client:
         await self._publish(items)
         return [env.id for env, _ in items]
 
+    async def request(
+        self,
+        queue: str | Queue,
+        command: Any,
+        *,
+        timeout: float,
+        response: Any = Any,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        type: str | None = None,
+    ) -> Any:
+        """Send ``command`` to ``queue`` and wait for its handler's return value, decoded into ``response``.
+
+        Raises :class:`~framework.requests.RequestTimeout` naming ``queue`` when no reply comes within
+        ``timeout`` seconds, :class:`~framework.requests.RequestFailed` with the remote error when the
+        request was dead-lettered, :class:`~framework.requests.ReplyDecodeError` naming the field when
+        the reply is not a ``response``. See docs/request-reply.md.
+        """
+        if self._requester is None:
+            self._requester = Requester(await self.connect(), self._publish, reply_ttl=self._reply_ttl)
+        return await self._requester.request(
+            queue, command, timeout=timeout, response=response, key=key, headers=headers, type=type
+        )
+
+    @property
+    def reply_stats(self) -> dict[str, int]:
+        """Replies received; late replies (after their request's timeout) and duplicates dropped."""
+        if self._requester is None:
+            return {"replies": 0, "late_replies": 0, "duplicate_replies": 0, "waiting": 0}
+        return self._requester.stats()
+
     async def cancel_scheduled(self, message_id: str, *, destination: str | None = None) -> bool:
         """Cancel a message scheduled with ``delay``/``at``; False when it is no longer scheduled."""
         broker = await self.connect()
@@ -279,6 +318,15 @@ class SyncClient:
     def scheduled(self, *, destination: str | None = None, limit: int = 100) -> list[Any]:
         """See :meth:`Client.scheduled`."""
         return self._portal.call(lambda: self._client.scheduled(destination=destination, limit=limit))
+
+    def request(self, queue: str | Queue, command: Any, **options: Any) -> Any:
+        """See :meth:`Client.request`."""
+        return self._portal.call(lambda: self._client.request(queue, command, **options))
+
+    @property
+    def reply_stats(self) -> dict[str, int]:
+        """See :attr:`Client.reply_stats`."""
+        return self._client.reply_stats
 
     def send_many(self, queue: str | Queue, commands: Iterable[Any], **options: Any) -> list[str]:
         """See :meth:`Client.send_many`."""

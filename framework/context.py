@@ -18,6 +18,8 @@ from framework.handlers import Handler, HandlerError, Queue, Topic
 from framework.lifespan import RESOURCES, Resources
 from framework.logs import get_logger
 from framework.observability import hooks
+from framework.replies import reply_for
+from framework.requests import requester_for
 from framework.scheduling import with_due
 
 __all__ = ["Context"]
@@ -58,6 +60,7 @@ class Context:
         "_flush",
         "_handler",
         "_outgoing",
+        "_reply",
         "_sql_done",
         "_sql_error",
         "_staged",
@@ -86,6 +89,7 @@ class Context:
         self._fence = fence  # the partition tenure's fencing token (None: the partition is not owned)
         self._flush = flush  # settles the lane's finished runs and sends the queued acks now (in a worker)
         self._ack_write: GuardedWrite | None = None  # written with the ack (a saga step's state)
+        self._reply: Envelope | None = None  # the reply to a request, sent after the run succeeds
         self.attempt = attempt
         """This attempt's number (1 for the first), counting retries and crash redeliveries."""
 
@@ -207,6 +211,7 @@ class Context:
         self._staged = mark[1]
         self._effects = None
         self._ack_write = None
+        self._reply = None
         self._duplicate = self._sql_done = False
         self._sql_error = None
 
@@ -335,3 +340,35 @@ class Context:
         """Stage an event for ``topic``; it is published only if this handler succeeds
         (``delay``/``at``: then scheduled, as for :meth:`send`)."""
         return self._stage(EVENT, topic, event, key, headers, type, delay, at)
+
+    def _set_result(self, result: Any) -> None:
+        """The handler returned ``result``: the reply to send, if the message is a request (``reply-to``)."""
+        self._reply = reply_for(self.envelope, result)
+
+    async def request(
+        self,
+        queue: str | Queue,
+        command: Any,
+        *,
+        timeout: float,
+        response: Any = Any,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        type: str | None = None,
+    ) -> Any:
+        """Send a request now and wait for its reply (as :meth:`framework.Client.request`).
+
+        Not staged: the request leaves at once, with a fresh id, so a retried handler asks again
+        (make the handler that answers idempotent by its payload when that matters). Carries this
+        message's correlation id. Async handlers only; the timeout counts against this handler's.
+        """
+        if self._broker is None:
+            raise HandlerError("ctx.request() needs the runtime's broker (this context has none)")
+        hdrs = {CORRELATION_ID: self.correlation_id, CAUSATION_ID: self.envelope.id}
+        if headers:
+            hdrs.update(headers)
+        if self._extra_headers:
+            hdrs.update(self._extra_headers)
+        return await requester_for(self._broker).request(
+            queue, command, timeout=timeout, response=response, key=key, headers=hdrs, type=type
+        )

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from broker import Start, validate_name
 from framework._payloads import decoder_for
+from framework.batching import BatchPolicy, batch_element_type
 from framework.handlers import DEFAULT_TIMEOUT, Handler, HandlerError, Queue, Topic, _inspect
 from framework.lifespan import LifespanEntry, Resource, declare
 from framework.retries import DEFAULT_RETRY, RetryPolicy
@@ -135,15 +136,17 @@ class Service:
         key: Callable[[Any], str] | None = None,
         inbox: _InboxMode | None = None,
         timeout: timedelta | float | None = None,
+        batch: BatchPolicy | None = None,
     ) -> Callable[[F], F]:
         """Declare the handler of the commands sent to ``queue``.
 
         ``retry``, ``inbox`` and ``timeout`` default to the service's (``timeout=math.inf``: no limit).
+        ``batch``: the handler takes a ``list`` of payloads (see :class:`~framework.batching.BatchPolicy`).
         """
         dest = queue if isinstance(queue, Queue) else Queue(queue)
         if isinstance(queue, Topic):
             raise HandlerError(f"{self.name}: {queue.name!r} is a Topic; use @service.event for topics")
-        return self._register(dest, retry, key, "earliest", inbox, timeout)
+        return self._register(dest, retry, key, "earliest", inbox, timeout, batch=batch)
 
     def event(
         self,
@@ -154,6 +157,7 @@ class Service:
         start: Start = "earliest",
         inbox: _InboxMode | None = None,
         timeout: timedelta | float | None = None,
+        batch: BatchPolicy | None = None,
         filter: Filter | Callable[[Any], bool] | None = None,
     ) -> Callable[[F], F]:
         """Declare a handler of the events published to ``topic``.
@@ -168,6 +172,7 @@ class Service:
         with one key run one at a time, in order. ``start`` applies when this service first
         subscribes: ``earliest`` processes the topic's retained history, ``latest`` only new events.
         ``retry``, ``inbox`` and ``timeout`` default to the service's (``timeout=math.inf``: no limit).
+        ``batch``: the handler takes a ``list`` of payloads (see :class:`~framework.batching.BatchPolicy`).
         """
         if isinstance(topic, Queue):
             raise HandlerError(f"{self.name}: {topic.name!r} is a Queue; use @service.command for queues")
@@ -189,7 +194,9 @@ class Service:
             chosen = filter_of(filter)
         except ValueError as exc:
             raise HandlerError(f"{self.name}: handler for {dest.name!r}: {exc}") from None
-        return self._register(dest, retry, key, start, inbox, timeout, filter=chosen, pattern=pattern)
+        if chosen is not None and batch is not None:
+            raise HandlerError(f"{self.name}: handler for {dest.name!r}: a batch handler takes no filter= (not yet)")
+        return self._register(dest, retry, key, start, inbox, timeout, batch=batch, filter=chosen, pattern=pattern)
 
     def every(
         self,
@@ -273,10 +280,13 @@ class Service:
         timeout: timedelta | float | None,
         prepare: Callable[[Broker, list[Delivery], int | None, Any], Awaitable[None]] | None = None,
         needs: dict[str, str] | None = None,
+        batch: BatchPolicy | None = None,
         *,
         filter: Filter | None = None,
         pattern: Pattern | None = None,
     ) -> Callable[[F], F]:
+        if batch is not None and not isinstance(batch, BatchPolicy):
+            raise HandlerError(f"{self.name}: batch= takes a BatchPolicy(max_size=..., max_wait=...), not {batch!r}")
         try:
             if pattern is None:
                 dest.spec()
@@ -292,7 +302,7 @@ class Service:
             mode = self.inbox if inbox is None else _inbox_mode(inbox, where)
             for existing in self.handlers:
                 if isinstance(dest, Topic) and isinstance(existing.destination, Topic):
-                    _check_shared(where, dest.name, filter, mode, existing)
+                    _check_shared(where, dest.name, filter, mode, existing, batch is not None)
                 elif existing.destination.name == dest.name:
                     raise HandlerError(
                         f"{where}: service {self.name!r} already handles {dest.name!r} with {existing.name}; "
@@ -300,7 +310,7 @@ class Service:
                     )
             is_async, takes_ctx, payload_type = _inspect(fn, where)
             try:
-                decode = decoder_for(payload_type)
+                decode = decoder_for(payload_type if batch is None else batch_element_type(payload_type))
             except TypeError as exc:
                 raise HandlerError(f"{where}: {exc}") from None
             self.handlers.append(
@@ -323,6 +333,7 @@ class Service:
                     needs=dict(needs or {}),
                     filter=filter,
                     pattern=pattern,
+                    batch=batch,
                 )
             )
             return fn
@@ -330,7 +341,9 @@ class Service:
         return decorator
 
 
-def _check_shared(where: str, name: str, filter: Filter | None, mode: _InboxMode, existing: Handler) -> None:
+def _check_shared(
+    where: str, name: str, filter: Filter | None, mode: _InboxMode, existing: Handler, batch: bool
+) -> None:
     """Refuse a topic handler that could take a message ``existing`` takes too (one handler per
     message), or that shares a topic with it under another inbox mode (they share one reader)."""
     other = existing.destination.name
@@ -338,6 +351,11 @@ def _check_shared(where: str, name: str, filter: Filter | None, mode: _InboxMode
         return
     theirs = existing.filter
     both = f"{where} and {existing.label} (for {other!r})"
+    if batch or existing.batch is not None:
+        raise HandlerError(
+            f"{both} share topics, and one takes batches: a batch handler reads its topics alone "
+            "(no filter=, no other handler of the service on them)"
+        )
     if filter is None and theirs is None:
         raise HandlerError(
             f"{both} are both default handlers (no filter) of the same topics: one handler per message. "

@@ -77,10 +77,10 @@ def rabbitmq(request: pytest.FixtureRequest) -> tuple[BrokerFactory, Features]:
 
 
 def rabbitmq_features(capabilities: frozenset[str]) -> Features:
-    """What the RabbitMQ transport claims: its capabilities and the Redis inbox beside it, minus the
-    promises docs/transports.md lists as gaps."""
+    """What the RabbitMQ transport claims: its capabilities and the Redis inbox and schedule beside it, minus
+    the promises docs/transports.md lists as gaps."""
     return Features.of(
-        capabilities,
+        capabilities | {"scheduling"},
         inbox=True,
         retention=False,
         idempotency_keys=False,

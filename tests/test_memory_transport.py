@@ -31,11 +31,13 @@ from broker.capabilities import (
     INTROSPECTION,
     OWNERSHIP,
     REDIS,
+    REPLIES,
     SCHEDULING,
     STATE,
     DeadLetterAdmin,
     InboxStore,
     PartitionOwnership,
+    ReplyStore,
     Scheduler,
     StateStore,
     as_introspection,
@@ -99,9 +101,9 @@ async def queue(
 async def test_connect_by_url_gives_the_memory_transport_with_its_capabilities(url: str) -> None:
     b = await broker_pkg.connect(url, namespace="t")
     assert isinstance(b, MemoryBroker) and b.transport == "memory" and b.namespace == "t" and b.url == url
-    assert b.capabilities == {INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, INTROSPECTION, STATE}
+    assert b.capabilities == {INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, INTROSPECTION, STATE, REPLIES}
     assert REDIS not in b.capabilities
-    protocols = (InboxStore, PartitionOwnership, Scheduler, DeadLetterAdmin, Introspection, StateStore)
+    protocols = (InboxStore, PartitionOwnership, Scheduler, DeadLetterAdmin, Introspection, StateStore, ReplyStore)
     assert all(isinstance(b, p) for p in protocols)
     assert b.channel() is None and b.max_body_bytes == 1024 * 1024
     with pytest.raises(TypeError, match="memory transport has no 'redis'"):

@@ -551,3 +551,40 @@ async def test_each_handler_of_a_shared_topic_keeps_its_own_timeout(
         [dead] = await h.dead_letters()
     assert fast_done == ["p"]  # longer than slow's timeout, not cut short
     assert dead.handler == "billing.slow" and "0.2 s timeout" in dead.reason
+
+
+def test_the_asyncapi_export_describes_patterns_and_filters() -> None:
+    from framework.asyncapi import build_document
+    from tests.test_asyncapi import assert_valid
+
+    svc = Service("audit")
+
+    @svc.event("orders.#")
+    async def record(event: OrderPlaced) -> None: ...
+
+    @svc.event("payments", filter=Filter(type=OrderCancelled, headers={"region": "eu"}))
+    async def refunds(event: OrderCancelled) -> None: ...
+
+    document = build_document([svc])
+    assert_valid(document)
+    [channel] = [c for c in document["channels"].values() if c["address"] == "orders.#"]
+    assert channel["x-framework-pattern"] is True
+    assert document["operations"]["audit.refunds"]["x-framework-filter"] == (
+        "Filter(type=['OrderCancelled'], headers={'region': ['eu']})"
+    )
+
+
+def test_a_batch_handler_reads_its_topic_alone() -> None:
+    from framework import BatchPolicy
+
+    svc = Service("ledger")
+    with pytest.raises(HandlerError, match="a batch handler takes no filter="):
+        svc.event("entries", filter=Filter(type="Posted"), batch=BatchPolicy(max_size=10))
+
+    @svc.event("entries", batch=BatchPolicy(max_size=10))
+    async def post(events: list[dict]) -> None: ...
+
+    with pytest.raises(HandlerError, match=r"ledger\.audit .*ledger\.post .*one takes batches"):
+
+        @svc.event("entries", filter=Filter(type="Posted"))
+        async def audit(event: dict) -> None: ...

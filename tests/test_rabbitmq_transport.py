@@ -263,3 +263,27 @@ async def test_a_stalled_connection_is_dropped_by_the_heartbeat_and_opened_again
             await broker.close()
     finally:
         proxy.close()
+
+
+async def test_a_message_over_the_servers_size_limit_is_one_line_and_the_connection_goes_on(rabbitmq_url: str) -> None:
+    """A body under our limit (raised here) but over RabbitMQ's ``max_message_size`` (128 MiB on 3.10):
+    the server closes the channel; the publish raises MessageTooLarge naming both sizes, the next works."""
+    from broker import MessageTooLarge
+    from broker.envelope import Envelope
+
+    broker = await connect(f"{rabbitmq_url}?inbox=none&timeout=30", namespace=f"big-{uuid.uuid4().hex[:8]}")
+    try:
+        spec = await broker.declare(DestinationSpec("big.jobs", "command"))
+        await broker.subscribe(spec, "big")
+        broker.max_body_bytes = 256 * 2**20
+        huge = Envelope(destination="big.jobs", kind="command", type="x", body=b"x" * (129 * 2**20))
+        with pytest.raises(MessageTooLarge) as caught:
+            await broker.publish([huge])
+        message = str(caught.value)
+        assert "\n" not in message and "135,266,304" in message and "134,217,728" in message, message
+        assert "RabbitMQ" in message and "FRAMEWORK_MAX_BODY_BYTES" in message, message
+        del huge
+        small = Envelope(destination="big.jobs", kind="command", type="x", body=b"{}")
+        assert await broker.publish([small]) == [small.id]
+    finally:
+        await broker.close()

@@ -57,6 +57,7 @@ ROLES = (
     "ownership",
     "scheduling",
     "state",
+    "replies",
     "retention",
     "degraded",
 )

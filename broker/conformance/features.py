@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, SCHEDULING, STATE
+from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, REPLIES, SCHEDULING, STATE
 from broker.protocol import Broker, GroupPartition
 
 __all__ = ["CAPABILITY_FEATURES", "BrokerFactory", "Features", "RawWriter"]
@@ -27,6 +27,7 @@ CAPABILITY_FEATURES: dict[str, str] = {
     "dead_letter_admin": DEAD_LETTER_ADMIN,
     "introspection": INTROSPECTION,
     "state": STATE,
+    "replies": REPLIES,
 }
 """Feature name -> the :mod:`broker.capabilities` name it stands for."""
 
@@ -53,6 +54,8 @@ class Features:
     """:class:`~broker.introspection.Introspection`: what is stored, pending, lagging (how checks see storage)."""
     state: bool = False
     """:class:`~broker.capabilities.StateStore`: versioned state per key committed with the ack (sagas)."""
+    replies: bool = False
+    """:class:`~broker.capabilities.ReplyStore`: reply destinations per requester that expire (request/reply)."""
     retention: bool = True
     """Topics keep events for their retention: a group created at ``earliest`` replays what is kept,
     and :meth:`~broker.protocol.Settler.trim` removes only what every group acknowledged."""

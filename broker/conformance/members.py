@@ -23,6 +23,7 @@ CAPABILITY_PROTOCOLS: dict[str, tuple[type, Callable[[Broker], Any]]] = {
     caps.INTROSPECTION: (Introspection, caps.as_introspection),
     caps.STATE: (caps.StateStore, caps.as_state),
     caps.REDIS: (caps.RedisStore, caps.as_redis),
+    caps.REPLIES: (caps.ReplyStore, caps.as_replies),
 }
 """Every capability name of :mod:`broker.capabilities`: its protocol and the function narrowing to it."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 import attrs
 
@@ -105,6 +106,7 @@ class MemoryServer:
         self.registries: dict[str, Registry] = {}
         self.hashes: dict[str, dict[bytes, bytes]] = {}  # states: guarded writes (GuardedWrite.key), commits
         self.expiries: dict[str, int] = {}  # hash key -> when it expires (Unix ms; ExpireKey)
+        self.replies: dict[str, Any] = {}  # "<ns>:reply:<name>" -> its broker.memory.replies.ReplyBox
 
     def __repr__(self) -> str:
         return f"MemoryServer({self.name!r}, {len(self.streams)} streams)"

@@ -17,8 +17,12 @@ What it keeps:
 * **Publishes** are confirmed, ``mandatory`` with returns raised, with a ``message_id``; one key goes
   to one partition (the CRC-32 of :meth:`DestinationSpec.partition_for`, as on Redis).
 * **Acks** are manual, after processing; per consumed queue at most ``prefetch`` are unacknowledged.
-* **Retries and scheduled messages** wait in a chain of fixed-TTL quorum queues (power-of-two
-  delays, 100 ms resolution) that dead-letter them to the group's own queue when due.
+* **Retries** wait in a chain of fixed-TTL quorum queues (power-of-two delays, 100 ms resolution)
+  that dead-letter them to the group's own queue when due. **Scheduled messages** (``send(delay=)``)
+  and recurring jobs' ticks are kept in the Redis beside the server (:mod:`broker.rabbitmq.scheduling`:
+  listed and cancelled by ``framework schedule``, published by every runtime's mover when due);
+  with ``?inbox=none`` scheduled messages take the delay chain too, unlisted, and recurring jobs are
+  refused.
 * **Dead letters** are republished, with the reason as headers, to the group's DLQ, then acked;
   listed, redriven and purged through ``framework dlq``.
 
@@ -32,8 +36,8 @@ What it does not keep (``docs/transports.md`` has the table):
   channel held; a handler past the server's ``consumer_timeout`` (30 min on 3.10) loses its channel.
 * **The inbox is kept beside the server**, in Redis (:mod:`broker.rabbitmq.inbox`; ``?inbox=`` of the
   URL, ``$FRAMEWORK_INBOX_URL``, else ``$REDIS_URL`` or the embedded Valkey: see :func:`broker.connect`).
-* **No state store, no idempotency keys, no scheduler admin** (listing, cancelling scheduled
-  messages, recurring jobs): the runtime stops at start naming what is missing.
+* **No state store, no idempotency keys** (except for scheduled messages, kept in Redis): the runtime
+  stops at start naming what is missing (a saga keeps its state in SQL instead: ``sql=``).
 * **Partitions** are ordered per queue by single active consumer: one worker at a time reads a
   partition, the server picks which (no balancing by leases).
 """
@@ -49,6 +53,7 @@ from broker.rabbitmq.connection import open_connection, split_url
 from broker.rabbitmq.core import is_closed_error
 from broker.rabbitmq.inbox import SideInbox
 from broker.rabbitmq.names import Layout
+from broker.rabbitmq.side import SideSchedule
 from broker.urls import default_namespace, redact
 
 __all__ = ["RabbitBroker", "connect_rabbitmq"]
@@ -64,10 +69,13 @@ register_transport_errors(
 )
 
 
-async def connect_rabbitmq(url: str, *, namespace: str | None = None, inbox: SideInbox | None = None) -> RabbitBroker:
+async def connect_rabbitmq(
+    url: str, *, namespace: str | None = None, inbox: SideInbox | None = None, schedule: SideSchedule | None = None
+) -> RabbitBroker:
     """Connect to the RabbitMQ server ``url`` names and declare the namespace's exchanges; raise
     :class:`BrokerUnavailable` in one line saying what to do (never hang: every step is bounded).
-    ``inbox``: the inbox's store (the broker then declares ``inbox``; it closes the store with itself)."""
+    ``inbox``: the inbox's store (the broker then declares ``inbox``; it closes the store with itself);
+    ``schedule``: the scheduled messages' store (the broker then declares ``scheduling``)."""
     client_url, options = split_url(url)
     timeout = float(options.get("timeout", 10.0))
     where = redact(url)
@@ -78,6 +86,7 @@ async def connect_rabbitmq(url: str, *, namespace: str | None = None, inbox: Sid
         client_url=client_url,
         namespace=namespace or default_namespace(),
         inbox=inbox,
+        schedule=schedule,
         **options,
     )
     try:

@@ -12,38 +12,49 @@ from typing import Any
 
 import aio_pika.abc
 
-from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION
+from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, REPLIES, SCHEDULING
 from broker.rabbitmq.inbox import SideInbox
-from broker.rabbitmq.introspection import Inspection
+from broker.rabbitmq.replies import Replies
+from broker.rabbitmq.scheduling import Scheduling
+from broker.rabbitmq.side import SideSchedule
 
 __all__ = ["RabbitBroker"]
 
 
-class RabbitBroker(Inspection):
+class RabbitBroker(Scheduling, Replies):
     """Broker on a RabbitMQ server (3.10 or newer). Use :func:`broker.rabbitmq.connect_rabbitmq` (or
     ``broker.connect("amqp://...")``) to build one.
 
     Keeps the :class:`~broker.Broker` contract with the degraded promises written in
-    :mod:`broker.rabbitmq` and declares ``dead_letter_admin`` and ``introspection``, and ``inbox`` when
+    :mod:`broker.rabbitmq` and declares ``dead_letter_admin``, ``introspection`` and ``replies``, and ``inbox`` when
     it was given an inbox store (``inbox``, a :class:`~broker.rabbitmq.inbox.SideInbox`: the Redis
-    inbox from :func:`broker.connect`); no ``ownership``, ``scheduling`` (cancel, list, recurring
-    jobs), ``state`` or ``redis``.
+    inbox from :func:`broker.connect`), and ``scheduling`` when it was given a schedule store (``schedule``,
+    a :class:`~broker.rabbitmq.side.SideSchedule`: the Redis one beside the inbox); no ``ownership``,
+    ``state`` or ``redis``.
     """
 
     transport = "rabbitmq"
-    capabilities = frozenset({DEAD_LETTER_ADMIN, INTROSPECTION})
+    capabilities = frozenset({DEAD_LETTER_ADMIN, INTROSPECTION, REPLIES})
     exclusive_partitions = True
     """The server delivers each partition of several to one consumer at a time (single active consumer):
     the runtime needs no ownership leases to keep per-key order across processes (it reads every partition
     and the server picks the one reader; another takes over when that one's channel closes)."""
 
     def __init__(
-        self, connection: aio_pika.abc.AbstractConnection, *, inbox: SideInbox | None = None, **options: Any
+        self,
+        connection: aio_pika.abc.AbstractConnection,
+        *,
+        inbox: SideInbox | None = None,
+        schedule: SideSchedule | None = None,
+        **options: Any,
     ) -> None:
         super().__init__(connection, **options)
         self.side_inbox = inbox
-        if inbox is not None:  # per instance: the class declares what every RabbitMQ broker has
-            self.capabilities = frozenset({*self.capabilities, INBOX})
+        self.side_schedule = schedule
+        extra = {INBOX} if inbox is not None else set()  # per instance: the class declares what every one has
+        if schedule is not None:
+            extra.add(SCHEDULING)
+        self.capabilities = frozenset({*self.capabilities, *extra})
         self._ready = set()
         self._chain_ready = False
         self._feeds = {}

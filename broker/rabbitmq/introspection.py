@@ -91,9 +91,10 @@ class Inspection(Administration):
         for spec in specs:
             groups = sorted({g for d, g in registry.subscriptions if d == spec.name})
             parts = []
+            waiting = await self.side_schedule.counts(spec.name) if self.side_schedule is not None else {}
             for p in range(spec.partitions):
                 views = [await self.group_state(self.group_partition(spec, p, g)) for g in groups]
-                parts.append(PartitionState(p, await self._length(spec, p, groups), views, 0))
+                parts.append(PartitionState(p, await self._length(spec, p, groups), views, waiting.get(p, 0)))
             out.append(DestinationState(spec, parts))
         return out
 

@@ -15,24 +15,35 @@ a facade forwarding to role objects:
 
 from __future__ import annotations
 
-from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, REDIS, SCHEDULING, STATE
+from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, REDIS, REPLIES, SCHEDULING, STATE
 from broker.redis.administration import Administration
 from broker.redis.inspect import Inspection
 from broker.redis.intake import Intake
 from broker.redis.leases import Leases
 from broker.redis.publishing import Publishing
 from broker.redis.reading import Reading
+from broker.redis.replies import Replies
 from broker.redis.settlement import Settlement
 from broker.redis.state import StateStorage
 
 __all__ = ["ROLES", "RedisBroker"]
 
-ROLES: tuple[type, ...] = (Publishing, Reading, Intake, Settlement, StateStorage, Administration, Leases, Inspection)
+ROLES: tuple[type, ...] = (
+    Publishing,
+    Reading,
+    Intake,
+    Settlement,
+    StateStorage,
+    Administration,
+    Leases,
+    Inspection,
+    Replies,
+)
 """The role mixins :class:`RedisBroker` is made of (topology comes in through four of them; leases
 and the leased read build on reading, state on scheduling)."""
 
 
-class RedisBroker(Publishing, Leases, Intake, Reading, Settlement, StateStorage, Administration, Inspection):
+class RedisBroker(Publishing, Leases, Intake, Reading, Settlement, StateStorage, Administration, Inspection, Replies):
     """Broker on Redis Streams. Use :func:`broker.connect` to build one from a URL.
 
     One instance is safe to share between tasks of one event loop (not between threads or event
@@ -43,4 +54,4 @@ class RedisBroker(Publishing, Leases, Intake, Reading, Settlement, StateStorage,
     """
 
     transport = "redis"
-    capabilities = frozenset({INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, INTROSPECTION, STATE, REDIS})
+    capabilities = frozenset({INBOX, OWNERSHIP, SCHEDULING, DEAD_LETTER_ADMIN, INTROSPECTION, STATE, REDIS, REPLIES})

@@ -39,6 +39,8 @@ _NAMES = (
     "schedule_read",
     "job_tick",
     "read_hashes",
+    "reply_open",
+    "reply_send",
 )
 
 

@@ -77,6 +77,10 @@ class RedisInbox:
                 self._broker = await self._connect()
             return self._broker
 
+    async def redis_broker(self) -> RedisBroker:
+        """The Redis broker behind the inbox, connected on first use (the schedule beside it shares it)."""
+        return await self._redis()
+
     async def _connect(self) -> RedisBroker:
         from broker.redis.connect import connect_redis
 

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from framework.cli import dead_letters, destinations, outbox, produce, run, schedule, server, status
+from framework.cli import asyncapi, dead_letters, destinations, outbox, produce, run, schedule, server, status
 from framework.cli.args import log_level
 from framework.cli.common import Parser, run_command
 from framework.logconfig import configure_logging
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     commands = _Commands(sub, common)  # every sub-command accepts the logging options too
     # the order of `framework --help`
-    for group in (run, status, produce, server, dead_letters, destinations, outbox, schedule):
+    for group in (run, status, produce, server, dead_letters, destinations, outbox, schedule, asyncapi):
         group.register(commands)
     return parser
 

@@ -13,6 +13,7 @@ import importlib
 import math
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 import anyio
 
-from framework.cli.args import metrics_address, metrics_options, positive_duration, positive_int
+from framework.cli.args import metrics_address, metrics_options, port, positive_duration, positive_int
 from framework.cli.common import UsageError, connection_options
 from framework.lifespan import EXIT_STARTUP_FAILED, startup_failure
 from framework.logs import get_logger
@@ -102,11 +103,16 @@ def run_services(args: argparse.Namespace) -> int:
     from framework.runtime import Runtime
     from framework.settings import RuntimeSettings
 
+    if args.workers > 1 or args.reload:  # a supervisor over worker processes (it imports no service)
+        from framework.cli.workers import supervise
+
+        return supervise(args)
     early: list[int] = []  # a signal that arrives while we import and connect still stops us gracefully
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda n, _frame: early.append(n))
     services = load_services(args.targets)
     failed = _start_observability(args, services[0].name)
+    health, failed = _health_socket(args) if failed is None else (None, failed)
     if failed is not None:
         print(f"framework run: {failed}", file=sys.stderr)
         return 1
@@ -142,6 +148,13 @@ def run_services(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch_signals, tg.cancel_scope)
+            if health is not None:  # /livez and /readyz, served by this event loop
+                from framework.health import HealthServer
+
+                tg.start_soon(HealthServer(runtime, health).serve)
+            from framework.cli.workers import watch_supervisor
+
+            tg.start_soon(watch_supervisor, runtime)  # started by `--workers N`: stop if it is gone
             await runtime.run()
             tg.cancel_scope.cancel()
 
@@ -179,6 +192,19 @@ def _start_observability(args: argparse.Namespace, service_name: str) -> str | N
             return f"metrics port {metrics_port} on {metrics_host} is in use (--metrics-port / FRAMEWORK_METRICS_PORT)"
         return f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc.strerror or exc}"
     return None
+
+
+def _health_socket(args: argparse.Namespace) -> tuple[socket.socket | None, str | None]:
+    """(the bound ``--health-port`` socket or None without one, the one-line error or None)."""
+    if args.health_port is None:
+        return None, None
+    from framework.health import bind_error, listen
+
+    host = args.health_host or "127.0.0.1"
+    try:
+        return listen(host, args.health_port), None
+    except OSError as exc:
+        return None, bind_error(exc, host, args.health_port)
 
 
 def _abandon_running_threads(log: Any) -> None:
@@ -294,6 +320,24 @@ def register(sub: Any) -> None:
         metavar="DATABASE_URL",
         help="also run an outbox relay in this process (default: $DATABASE_URL, else $FRAMEWORK_HOME/outbox.db)",
     )
+    run.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="worker processes under a supervisor that restarts them and forwards SIGTERM (default 1: this "
+        "process is the worker; docs/operations.md)",
+    )
+    run.add_argument("--reload", action="store_true", help="development: restart the workers when a .py file changes")
+    run.add_argument(
+        "--health-port",
+        type=port,
+        default=None,
+        metavar="PORT",
+        help="serve /livez and /readyz on PORT (Kubernetes probes; docs/kubernetes.md)",
+    )
+    run.add_argument(
+        "--health-host", default=None, metavar="HOST", help="address the health endpoint listens on (default 127.0.0.1)"
+    )
     metrics_options(run)
     connection_options(run)
-    run.set_defaults(func=run_services)
+    run.set_defaults(func=run_services, run_parser=run)

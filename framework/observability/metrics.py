@@ -224,12 +224,14 @@ _servers: dict[tuple[str, int], Any] = {}
 
 
 def _prometheus_reader(port: int, host: str) -> Any:
-    """A Prometheus reader whose exposition is served at ``http://host:port/metrics`` (OSError if taken)."""
+    """A Prometheus reader whose exposition is served at ``http://host:port/metrics``, other paths 404
+    (OSError if the port is taken)."""
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from prometheus_client import start_http_server
+
+    from framework.observability.exposition import serve_metrics
 
     if (host, port) not in _servers:
-        server = start_http_server(port, addr=host)  # first: a taken port fails before anything registers
+        server = serve_metrics(port, host)  # first: a taken port fails before anything registers
         _servers[(host, port)] = server
     return PrometheusMetricReader()
 

@@ -37,6 +37,7 @@ from framework.lifespan import Lifespan
 from framework.logs import get_logger
 from framework.middleware import Middleware
 from framework.observability import hooks
+from framework.runtime.batch import consumer_for
 from framework.runtime.consumer import Consumer
 from framework.runtime.identity import ConsumerIdentity
 from framework.runtime.lanes import LanePool
@@ -179,7 +180,7 @@ class Runtime:
             observer=observer,
         )
         self._scopes += 1
-        return Consumer(wiring, views)
+        return consumer_for(wiring, views)
 
     async def _refresh_patterns(self, tg: anyio.abc.TaskGroup) -> None:
         """Every ``pattern_refresh`` seconds: wire and start the topics created since that a pattern matches."""

@@ -12,15 +12,17 @@ through the crash-loop rule (:meth:`Admission.sort_redeliveries`), isolating sus
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from broker import Delivery
-from broker.headers import DLQ_REASON
+from broker.headers import DEADLINE, DLQ_REASON
 from framework._payloads import PayloadError
 from framework.dead_letters.reasons import poison_reason
 from framework.inbox import check_inbox
 from framework.logs import debug_enabled
 from framework.observability import logcontext
+from framework.replies import deadline_passed
 from framework.runtime.dispatch import Routed, Routes
 from framework.runtime.lanes import Worker
 from framework.runtime.ledger import Ledger
@@ -42,6 +44,7 @@ class Admission:
         self.worker = worker
         self.handler = wiring.handler
         self.lanes = wiring.lanes
+        self.submit: Callable[..., None] | None = None  # where admitted work goes if not to the lanes (batches)
         self.scope = wiring.scope
         self.observer = wiring.observer  # None unless tracing or metrics are on
         self.debug = debug_enabled()  # a line per message received (and settled, see the settle stage)
@@ -87,9 +90,13 @@ class Admission:
                     await self._prepare(ledger, mine, channel, route.handler.prepare)
         elif handler.prepare is not None and runnable:
             await self._prepare(ledger, runnable, channel, handler.prepare)
+        expired: list[Delivery] = []
         for d in runnable:
             env = d.envelope
             assert env is not None
+            if DEADLINE in env.headers and deadline_passed(env):  # a request nobody waits for any more
+                expired.append(d)
+                continue
             try:
                 if routed is None:
                     payload = decode(env.body)
@@ -119,9 +126,11 @@ class Admission:
                     works.append((d, payload))
         for d, reason in poison:
             await self._dead_letter(ledger, d, reason)
+        if expired:
+            self._expired(ledger, expired)
         if redelivered:
             await self.sort_redeliveries(ledger, redelivered, by_lane, keyless, isolated)
-        lanes.submit(self.worker, ledger, by_lane, keyless, isolated, scope)
+        (self.submit or lanes.submit)(self.worker, ledger, by_lane, keyless, isolated, scope)
 
     async def _prepare(self, ledger: Ledger, runnable: list[Delivery], channel: Any, prepare: Any) -> None:
         """The handler's read-ahead for the batch (see ``Handler.prepare``): a failure is logged,
@@ -227,6 +236,15 @@ class Admission:
         await self.settle.dead_letter(ledger, d, reason)
         if self.observer is not None:
             self.observer.dropped(d, "dead_letter", reason.get(DLQ_REASON))
+
+    def _expired(self, ledger: Ledger, expired: list[Delivery]) -> None:
+        """Ack requests whose deadline passed unrun (their requester gave up: no reply), counted and logged."""
+        self.wiring.stats.expired += len(expired)
+        ledger.queue_acks(expired)
+        for d in expired:
+            self.wiring.log.warning("request not run: its deadline passed before it started", message_id=d.message_id)
+            if self.observer is not None:
+                self.observer.dropped(d, "duplicate", "request deadline passed")
 
     def _dropped_duplicates(self, ledger: Ledger, checked: list[Delivery], runnable: list[Delivery]) -> None:
         """Report the Redis inbox's duplicates among ``checked`` (acked, never run): a short span

@@ -25,6 +25,7 @@ import anyio
 import attrs
 
 from broker import Delivery, now_ms
+from broker.headers import REPLY_TO
 from framework.context import Context
 from framework.effects import AlreadyProcessed
 from framework.group_commit import RolledBackWithGroup
@@ -94,10 +95,10 @@ class Attempts:
             exc_info=exc,
         )
 
-    async def _call_sync(self, payload: Any, ctx: Context) -> None:
+    async def _call_sync(self, payload: Any, ctx: Context) -> Any:
         args = (payload, ctx) if self.handler.takes_context else (payload,)
         # A thread cannot be interrupted: on a timeout or a forced shutdown it is abandoned.
-        await anyio.to_thread.run_sync(
+        return await anyio.to_thread.run_sync(
             functools.partial(self.handler.fn, *args), limiter=self.wiring.thread_limiter, abandon_on_cancel=True
         )
 
@@ -124,13 +125,15 @@ class Attempts:
             slot.runs += 1
             try:
                 if not handler.is_async:
-                    await self._call_sync(payload, ctx)
+                    result = await self._call_sync(payload, ctx)
                 elif handler.takes_context:
-                    await fn(payload, ctx)
+                    result = await fn(payload, ctx)
                 else:
-                    await fn(payload)
+                    result = await fn(payload)
                 if ctx._sql_error is not None:  # its SQL block did not commit, and the handler caught that
                     raise ctx._sql_error
+                if result is not None or REPLY_TO in ctx.envelope.headers:  # a request: its reply
+                    ctx._set_result(result)
                 slot.delivery = None
                 if ctx.redis_effects is not None:  # a failed commit (the broker unreachable) is a failed attempt
                     await self.settle.commit_effects(ledger, d, ctx, attempt)
@@ -273,13 +276,15 @@ class Attempts:
                 for rerun in range(MAX_RERUNS + 1):
                     try:
                         if not handler.is_async:
-                            await self._call_sync(payload, ctx)
+                            result = await self._call_sync(payload, ctx)
                         elif handler.takes_context:
-                            await handler.fn(payload, ctx)
+                            result = await handler.fn(payload, ctx)
                         else:
-                            await handler.fn(payload)
+                            result = await handler.fn(payload)
                         if ctx._sql_error is not None:  # its SQL block did not commit, and the handler caught that
                             raise ctx._sql_error
+                        if result is not None or REPLY_TO in ctx.envelope.headers:  # a request: its reply
+                            ctx._set_result(result)
                         break
                     except RolledBackWithGroup:  # another block's doing: run again, not a failed attempt
                         if rerun == MAX_RERUNS:

@@ -46,6 +46,7 @@ class ConsumerStats:
     dead_lettered: int = 0
     duplicates: int = 0
     unwanted: int = 0  # events no handler of the service wanted (filters): acknowledged, never run
+    expired: int = 0  # requests whose deadline passed before their handler started: acked unrun
     handler_seconds: float = 0.0
 
 

@@ -5,6 +5,9 @@
   for many);
 * a run's recorded writes (:meth:`Settlement.commit_effects`: ``ctx.redis_transaction()``, a saga
   step's state): writes, outgoing messages, inbox mark and ack in one atomic step (one Lua call on Redis);
+* a request's reply (``reply-to``, see :mod:`framework.replies`): sent after the staged messages and
+  before the ack (after the commit, for a run with recorded writes); a dead-lettered request's error
+  reply before its dead-letter move;
 * failure (:meth:`Settlement.failure`): the retry path (acknowledged and parked until due) or
   the dead-letter queue, each atomic with the ack; :meth:`Settlement.dead_letter` also takes
   messages that cannot run at all (undecodable, crash loops).
@@ -23,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from broker import Delivery, EffectsFailed, GuardedWrite, LeaseLost, now_ms
+from broker import Delivery, EffectsFailed, Envelope, GuardedWrite, LeaseLost, now_ms
 from broker import headers as h
 from broker.headers import DELIVER_AT
 from framework.context import Context
@@ -31,6 +34,7 @@ from framework.dead_letters.reasons import exception_reason
 from framework.logs import debug_enabled
 from framework.middleware import Outcome
 from framework.observability import hooks
+from framework.replies import error_reply, send_replies
 from framework.runtime.connectivity import healthy
 from framework.runtime.ledger import Ledger
 from framework.runtime.supervisor import is_connection_error
@@ -44,12 +48,13 @@ SETTLED: Any = object()  # an attempt whose message is settled already (effects 
 class Finished:
     """Runs that finished in a lane and wait to be settled: published, then acknowledged."""
 
-    __slots__ = ("credits", "deliveries", "duplicate_ids", "duplicates", "outgoing", "publishing", "since")
+    __slots__ = ("credits", "deliveries", "duplicate_ids", "duplicates", "outgoing", "publishing", "replies", "since")
 
     def __init__(self) -> None:
         self.credits: list[Any] = []  # counters of other handlers of a shared group, one per success of theirs
         self.deliveries: list[Delivery] = []
         self.outgoing: list[Any] = []
+        self.replies: list[Envelope] = []  # replies to requests: sent after the outgoing messages, before the acks
         self.duplicates = 0
         self.duplicate_ids: list[int] = []  # id() of the duplicate deliveries (for the debug lines)
         self.since = 0.0
@@ -65,6 +70,8 @@ class Finished:
         self.deliveries.append(d)
         if ctx.outgoing:
             self.outgoing += ctx.outgoing
+        if ctx._reply is not None:
+            self.replies.append(ctx._reply)
         if ctx.duplicate:
             self.duplicates += 1
             self.duplicate_ids.append(id(d))
@@ -104,16 +111,21 @@ class Settlement:
         if not done.deliveries:
             return
         deliveries, outgoing, duplicates = done.deliveries, done.outgoing, done.duplicates
-        duplicate_ids, credits = done.duplicate_ids, done.credits
+        duplicate_ids, replies, credits = done.duplicate_ids, done.replies, done.credits
         done.deliveries, done.outgoing, done.duplicates = [], [], 0
         if duplicate_ids:
             done.duplicate_ids = []
+        if replies:
+            done.replies = []
         if credits:
             done.credits = []
-        if outgoing:
+        if outgoing or replies:
             done.publishing = publishing = anyio.Event()
             try:
-                await self.wiring.publish(outgoing)
+                if outgoing:
+                    await self.wiring.publish(outgoing)
+                if replies:  # before the acks: a crash between them sends a reply twice, never none
+                    await send_replies(self.broker, replies)
             except Exception as exc:
                 self.log.error(
                     "could not publish staged messages; they will be redelivered", count=len(deliveries), exc_info=exc
@@ -136,6 +148,8 @@ class Settlement:
         """Publish and acknowledge one successful run now (a suspect: see the admit stage)."""
         if ctx.outgoing:
             await self.wiring.publish(ctx.outgoing)
+        if ctx._reply is not None:
+            await send_replies(self.broker, [ctx._reply])
         try:
             await self.broker.ack(ledger.view, [d], inbox=self.handler.inbox, token=ledger.fence)
         except LeaseLost:
@@ -208,6 +222,8 @@ class Settlement:
                         self.log.error("an after_commit callback failed", message_id=d.message_id, exc_info=err)
                 if outgoing and hooks.METRICS:  # published by the same script
                     hooks.count_sent(outgoing)
+                if ctx._reply is not None:  # after the commit: a reply never announces effects not applied
+                    await self._reply_after_commit(d, ctx._reply)
             else:
                 self.stats.duplicates += 1
                 outcome = Outcome("duplicate", attempt)
@@ -265,8 +281,12 @@ class Settlement:
         ledger.forget([d])
 
     async def dead_letter(self, ledger: Ledger, d: Delivery, reason: dict[str, str], *, forget: bool = True) -> None:
-        """Move ``d`` to the dead-letter queue with ``reason`` (atomic with its ack)."""
+        """Move ``d`` to the dead-letter queue with ``reason`` (atomic with its ack); a request
+        gets its error reply first."""
         try:
+            fault = error_reply(d.envelope, reason)
+            if fault is not None:
+                await send_replies(self.broker, [fault])
             entry = await self.broker.dead_letter(d, reason, token=ledger.fence)
         except LeaseLost:
             self.lost(ledger)
@@ -283,6 +303,14 @@ class Settlement:
                     self.log_settled(d, "dead_letter", int(reason.get("dlq-attempts") or d.attempt))
         if forget:
             ledger.forget([d])
+
+    async def _reply_after_commit(self, d: Delivery, reply: Envelope) -> None:
+        """Send a request's reply once its effects committed (with the ack): if that fails, the
+        requester's timeout tells it (its request ran; asking again runs it again)."""
+        try:
+            await send_replies(self.broker, [reply])
+        except Exception as exc:
+            self.log_unsettled("could not send the reply after the effects committed", exc, message_id=d.message_id)
 
     def log_unsettled(self, what: str, exc: BaseException, **fields: Any) -> None:
         """Log a broker call that failed: one warning line for a lost connection (the
