@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import anyio
 import attrs
@@ -588,3 +589,32 @@ def test_a_batch_handler_reads_its_topic_alone() -> None:
 
         @svc.event("entries", filter=Filter(type="Posted"))
         async def audit(event: dict) -> None: ...
+
+
+@pytest.mark.parametrize("transport", ["redis", "memory"])
+async def test_a_pattern_handler_can_take_batches_per_matching_topic(
+    transport: str, redis_url: str, namespace: str
+) -> None:
+    from framework import BatchPolicy
+
+    batches: list[tuple[str, int]] = []
+    svc = Service("ledger")
+
+    @svc.event("ledger.*", batch=BatchPolicy(max_size=50, max_wait=0.05))
+    async def post(events: list[dict], ctx: Any) -> None:
+        batches.append((ctx.destination, len(events)))
+
+    url = redis_url if transport == "redis" else "memory://"
+    async with ServiceHarness([], url=url, namespace=namespace, settings=SETTINGS) as h:
+        for n in range(5):
+            await h.client.publish("ledger.eu", {"n": n})
+        for n in range(3):
+            await h.client.publish("ledger.us", {"n": n})
+        h.services = [svc]
+        await h.start()
+        await h.run_until_idle()
+    totals: dict[str, int] = defaultdict(int)
+    for topic, size in batches:
+        totals[topic] += size
+    assert dict(totals) == {"ledger.eu": 5, "ledger.us": 3}
+    assert max(size for _, size in batches) > 1  # taken as batches, not one by one
