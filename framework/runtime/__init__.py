@@ -30,7 +30,7 @@ import anyio.abc
 import attrs
 
 from broker import Broker, DestinationSpec, GroupPartition, connect, redact
-from broker.capabilities import SCHEDULING, as_inbox, as_introspection
+from broker.capabilities import OWNERSHIP, SCHEDULING, as_inbox, as_introspection
 from framework._messages import Outgoing
 from framework.group_commit import GroupCommits
 from framework.lifespan import Lifespan
@@ -114,8 +114,9 @@ class Runtime:
             self._stop.set()
         if self._broker is None:
             self._broker = await connect(self._url, namespace=self._namespace)
-        if getattr(self.broker, "exclusive_partitions", False) and self.settings.ownership != "off":
-            # the server keeps one reader per partition (RabbitMQ's single active consumer): no leases
+        exclusive = getattr(self.broker, "exclusive_partitions", False)
+        if exclusive and OWNERSHIP not in self.broker.capabilities and self.settings.ownership != "off":
+            # the server keeps one reader per partition (RabbitMQ's single active consumer) and no leases exist
             self.settings = attrs.evolve(self.settings, ownership="off")
         identity = ConsumerIdentity(self.broker.namespace, self.settings.consumer)
         self.consumer_name = identity.name
