@@ -277,12 +277,12 @@ def _router(log: dict[str, list[str]]) -> Service:
     return svc
 
 
-@pytest.mark.parametrize("transport", ["redis", "memory"])
+@pytest.mark.parametrize("transport", ["redis", "memory", "rabbitmq"])
 async def test_filters_route_each_message_to_one_handler_by_type_and_header(
-    transport: str, redis_url: str, namespace: str
+    transport: str, request: pytest.FixtureRequest, namespace: str
 ) -> None:
     log: dict[str, list[str]] = defaultdict(list)
-    url = redis_url if transport == "redis" else "memory://"
+    url = "memory://" if transport == "memory" else request.getfixturevalue(f"{transport}_url")
     async with ServiceHarness([_router(log)], url=url, namespace=namespace) as h:
         await h.client.publish("orders", OrderPlaced("p1"))
         await h.client.publish("orders", OrderCancelled("c-eu"), headers={"region": "eu"})
