@@ -47,6 +47,15 @@ def lease_ttl() -> float:
     return float(raw) if raw else 5.0
 
 
+def pattern_refresh() -> float:
+    """``$FRAMEWORK_PATTERN_REFRESH`` in seconds, else 5."""
+    raw = os.environ.get("FRAMEWORK_PATTERN_REFRESH", "").strip()
+    try:
+        return float(raw) if raw else 5.0
+    except ValueError:
+        raise ValueError(f"FRAMEWORK_PATTERN_REFRESH={raw!r} is not a number of seconds (e.g. 5)") from None
+
+
 _DURATIONS = (
     "visibility_timeout",
     "ack_interval",
@@ -101,7 +110,8 @@ class RuntimeSettings:
                         so blocks on one engine run at most this many at a time (bounded by the
                         engine's pool size + overflow; logged when the engine is first used)
     pattern_refresh     seconds between looks at the destination registry for new topics matching a
-                        pattern subscription (``@svc.event("orders.*")``); default 5
+                        pattern subscription (``@svc.event("orders.*")``). Default
+                        ``$FRAMEWORK_PATTERN_REFRESH``, else 5
     """
 
     concurrency: int = 64
@@ -120,7 +130,7 @@ class RuntimeSettings:
     sql_connections: int = 8
     ownership: str = attrs.field(factory=lambda: ownership_mode())
     lease_ttl: float = attrs.field(factory=lambda: lease_ttl())
-    pattern_refresh: float = 5.0
+    pattern_refresh: float = attrs.field(factory=lambda: pattern_refresh())
 
     def __attrs_post_init__(self) -> None:
         for name in _DURATIONS:  # nan passes every comparison below (a nan lease crashes every task)

@@ -618,3 +618,16 @@ async def test_a_pattern_handler_can_take_batches_per_matching_topic(
         totals[topic] += size
     assert dict(totals) == {"ledger.eu": 5, "ledger.us": 3}
     assert max(size for _, size in batches) > 1  # taken as batches, not one by one
+
+
+def test_the_refresh_interval_is_a_setting_with_an_environment_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from framework import RuntimeSettings
+
+    assert RuntimeSettings().pattern_refresh == 5.0
+    monkeypatch.setenv("FRAMEWORK_PATTERN_REFRESH", "0.5")
+    assert RuntimeSettings().pattern_refresh == 0.5
+    monkeypatch.setenv("FRAMEWORK_PATTERN_REFRESH", "soon")
+    with pytest.raises(ValueError, match="FRAMEWORK_PATTERN_REFRESH='soon' is not a number"):
+        RuntimeSettings()
+    with pytest.raises(ValueError, match="pattern_refresh must be a positive number"):
+        RuntimeSettings(pattern_refresh=0)
