@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from benchmarks import runtime_bench
+from benchmarks import framework_bench
 
 __all__ = ["rows", "summary", "trials"]
 
@@ -26,7 +26,7 @@ def trials(url: str, n: int, *, progress: Callable[[str], None]) -> Iterator[tup
     yield (
         KEY,
         functools.partial(
-            runtime_bench.commands,
+            framework_bench.commands,
             url,
             n,
             inbox=True,

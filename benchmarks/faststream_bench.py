@@ -55,17 +55,9 @@ import anyio
 import orjson
 import redis
 
+from benchmarks.paced import latency_summary, run_producer
 from benchmarks.procs import Child, child
-from benchmarks.runtime_bench import (
-    FILL_BATCH,
-    Progress,
-    _latency_summary,
-    _quiet,
-    _raw_client,
-    _wait_done,
-    _wait_settled,
-    run_producer,
-)
+from benchmarks.streams import FILL_BATCH, Progress, quiet, raw_client, wait_done, wait_settled
 from framework.testing import delete_namespace, unique_namespace
 
 __all__ = ["INSTALL", "MODES", "drain", "latency", "main", "missing", "rows", "summary", "trials", "version"]
@@ -213,11 +205,11 @@ def _entry_bytes(client: redis.Redis, stream: str) -> int:
     return sum(len(k) + len(v) for k, v in reply[0][1].items()) if reply else 0
 
 
-def drain(url: str, n: int, mode: str, *, progress: Progress = _quiet) -> dict[str, Any]:
+def drain(url: str, n: int, mode: str, *, progress: Progress = quiet) -> dict[str, Any]:
     """Fill ``n`` messages with FastStream's publisher, drain them with one FastStream worker; msg/s."""
     namespace = unique_namespace("bench")
     stream = stream_name(namespace)
-    client = _raw_client(url)
+    client = raw_client(url)
     label = f"faststream {mode}"
     try:
         client.xgroup_create(stream, GROUP, id="0", mkstream=True)  # the worker finds it (BUSYGROUP is ignored)
@@ -226,8 +218,8 @@ def drain(url: str, n: int, mode: str, *, progress: Progress = _quiet) -> dict[s
         progress(f"{label}: published {n:,} at {fill_rate:,.0f}/s ({entry} B per entry); draining with one worker")
         with _worker(url, namespace, mode, n, timed=False) as worker:
             wait: dict[str, Any] = {"stream": stream, "label": label, "progress": progress}
-            done = _wait_done(client, namespace, worker, total=n, timeout=max(120.0, n / 250), **wait)
-            settled_ns = _wait_settled(client, stream, 1)
+            done = wait_done(client, namespace, worker, total=n, timeout=max(120.0, n / 250), **wait)
+            settled_ns = wait_settled(client, stream, 1)
             status = worker.stop()
         if status not in (0, None):
             raise RuntimeError(f"{label}: the worker exited with status {status} on SIGTERM:\n{worker.log_tail()}")
@@ -266,14 +258,14 @@ def _run_producer(url: str, namespace: str, rate: float, count: int, consumer: C
 
 
 def latency(
-    url: str, mode: str, *, rate: float = 500.0, seconds: float = 10.0, warmup: float = 1.0, progress: Progress = _quiet
+    url: str, mode: str, *, rate: float = 500.0, seconds: float = 10.0, warmup: float = 1.0, progress: Progress = quiet
 ) -> dict[str, Any]:
     """FastStream publishes at a fixed ``rate`` from a producer process; latency from publish to handler start."""
     namespace = unique_namespace("bench")
     stream = stream_name(namespace)
     skip = int(rate * warmup)
     count = skip + int(rate * seconds)
-    client = _raw_client(url)
+    client = raw_client(url)
     label = f"faststream {mode} latency"
     try:
         client.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -281,10 +273,8 @@ def latency(
             _wait_reading(client, namespace, worker)
             progress(f"{label}: publishing {count:,} at {rate:,.0f}/s ({warmup:.0f}s warm-up not counted)")
             achieved = _run_producer(url, namespace, rate, count, worker, seconds + warmup)
-            _wait_done(
-                client, namespace, worker, stream=stream, total=count, timeout=60, label=label, progress=progress
-            )
-        summary_ = _latency_summary(client, namespace, skip, count)
+            wait_done(client, namespace, worker, stream=stream, total=count, timeout=60, label=label, progress=progress)
+        summary_ = latency_summary(client, namespace, skip, count)
         return {"mode": mode, "rate": rate, "achieved_rate": achieved, **summary_}
     finally:
         client.close()
@@ -296,7 +286,7 @@ PER_MESSAGE_DRAIN = 20_000
 
 
 def trials(
-    url: str, round_: int, *, messages: int, rate: float, seconds: float, progress: Progress = _quiet
+    url: str, round_: int, *, messages: int, rate: float, seconds: float, progress: Progress = quiet
 ) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
     """One round's trials as (key, call): the drains, then the latency trials, mode order alternating."""
     modes = MODES if round_ % 2 == 0 else MODES[::-1]
@@ -347,7 +337,7 @@ def _spread(s: Mapping[str, Any], fmt: str) -> str:
 
 
 def rows(sm: Mapping[str, dict[str, Any]], errors: Mapping[str, str], latency_rate: float) -> list[dict[str, Any]]:
-    """Table rows (fields of ``benchmarks.__main__.Row``): each mode's drain against the raw ceiling,
+    """Table rows (fields of ``benchmarks.rows.Row``): each mode's drain against the raw ceiling,
     then its latency against the raw consumer's; the FastStream batch row carries issue #33's target
     (the framework's p99 with the inbox on below FastStream's batch subscriber's)."""
     if "peer" in errors:

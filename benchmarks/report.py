@@ -1,6 +1,6 @@
 """The results of a benchmark run: medians, ratios paired by round, the targets and the table's rows.
 
-:class:`Report` is what :class:`benchmarks.__main__.Runner` knows once its trials ran (``trials``,
+:class:`Report` is what :class:`benchmarks.runner.Runner` knows once its trials ran (``trials``,
 ``errors``, ``extra``): the summary written to JSON and the rows printed.
 """
 

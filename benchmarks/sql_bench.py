@@ -49,7 +49,6 @@ import redis
 
 from benchmarks.machine import process_cpu_s
 from benchmarks.procs import Child, child
-from benchmarks.runtime_bench import percentile
 from benchmarks.sql_services import (
     EFFECTS_TABLE,
     GROUP,
@@ -60,6 +59,7 @@ from benchmarks.sql_services import (
     latency_key,
     stream_key,
 )
+from benchmarks.streams import percentile
 from framework import Client
 from framework.testing import delete_namespace, unique_namespace
 

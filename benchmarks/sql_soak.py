@@ -40,25 +40,18 @@ inbox's bucket keys; the inbox is judged by its bytes per remembered id instead,
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import anyio
-import attrs
 import psycopg
-import redis
 
 from benchmarks import sql_bench
-from benchmarks.procs import Child, rss_kib
-from benchmarks.sql_services import EFFECTS_TABLE, GROUP, SQL_QUEUE, SqlMessage, stream_key
-from broker import COMMAND
-from broker.ids import new_id
-from framework import Client
-from framework._messages import build_envelope
+from benchmarks.sql_services import EFFECTS_TABLE, GROUP
+from benchmarks.sql_soak_load import Ledger, Options, Progress, publish
+from benchmarks.sql_soak_monitor import KEY_ENTRY_BYTES, Soak
 from framework.testing import delete_namespace, unique_namespace
 
 __all__ = ["Options", "parse", "run"]
@@ -67,25 +60,7 @@ LAG_LIMIT_S = 30.0
 DRAIN_LIMIT_S = 60.0
 FLAT_LIMIT = 1.10
 CAPACITY_SHARE = 0.8
-TICK_S = 0.05
-
-Progress = Callable[[str], None]
-
-
-@attrs.frozen
-class Options:
-    """What the soak does: how long, how fast (None: 80% of the measured capacity), how many workers."""
-
-    minutes: float = 20.0
-    rate: float | None = None
-    workers: int = 3
-    fail_every: int = 100  # 1 in 100 messages always fails
-    malformed_every: int = 200  # 1 in 200 is malformed
-    kill_every: tuple[float, float] = (20.0, 40.0)
-    reset_every: float = 60.0
-    capacity_messages: int = 3000
-    drain_timeout: float = 180.0
-    kind: str = "framework"
+INBOX_BYTES_LIMIT = 32  # issue #15's target
 
 
 def parse(argv: Sequence[str]) -> Options:
@@ -104,243 +79,6 @@ def parse(argv: Sequence[str]) -> Options:
     if args.workers < 3:
         parser.error("--workers must be at least 3 (two are killed at a time, one lives throughout)")
     return Options(minutes=args.minutes, rate=args.rate, workers=args.workers, kind=args.kind)
-
-
-def _kind(seq: int, options: Options) -> str:
-    if seq % options.malformed_every == options.malformed_every - 1:
-        return "malformed"
-    if seq % options.fail_every == options.fail_every // 2:
-        return "fail"
-    return "good"
-
-
-class Ledger:
-    """What the publisher sent, by kind: sequence numbers of good and failing messages, bad message ids."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-        self.good: set[int] = set()
-        self.fail_seqs: set[int] = set()
-        self.bad_ids: set[str] = set()  # failing and malformed: all must reach the dead-letter stream
-        self.good_ids: set[str] = set()
-        self.publish_retries = 0
-
-
-_MALFORMED_BODIES = (None, b"{not json", b'{"nope": 1}')
-
-
-async def _publish(url: str, namespace: str, rate: float, seconds: float, options: Options, ledger: Ledger) -> None:
-    """Offer ``rate`` msg/s for ``seconds``; a failed publish is repeated with the same ids until it succeeds."""
-    stream = stream_key(namespace)
-    async with Client(url, namespace=namespace) as client:
-        broker = client.broker
-        await broker.declare(SQL_QUEUE.spec())
-        began = time.monotonic()
-        seq = 0
-        while (now := time.monotonic()) - began < seconds:
-            due = int((now - began) * rate)
-            envelopes, raw = [], []
-            for s in range(seq, due):
-                kind = _kind(s, options)
-                if kind == "malformed":
-                    mid = new_id()
-                    fields: list[Any] = ["id", mid, "type", "SqlMessage", "ts", time.time_ns() // 1_000_000]
-                    body = _MALFORMED_BODIES[(s // options.malformed_every) % len(_MALFORMED_BODIES)]
-                    if body is not None:
-                        fields += ["body", body]
-                    raw.append(fields)
-                    ledger.bad_ids.add(mid)
-                    continue
-                msg = SqlMessage(s, time.time_ns(), fail=kind == "fail")
-                env, _ = build_envelope(SQL_QUEUE, COMMAND, msg, key=str(s % sql_bench.KEYS))
-                envelopes.append(env)
-                if kind == "fail":
-                    ledger.fail_seqs.add(s)
-                    ledger.bad_ids.add(env.id)
-                else:
-                    ledger.good.add(s)
-                    ledger.good_ids.add(env.id)
-            while envelopes or raw:
-                try:
-                    if envelopes:
-                        await broker.publish(envelopes)
-                        envelopes = []
-                    for fields in list(raw):
-                        await broker.redis.execute_command("XADD", stream, "*", *fields)
-                        raw.remove(fields)
-                except Exception:
-                    ledger.publish_retries += 1
-                    await anyio.sleep(0.05)
-            ledger.sent = due
-            seq = due
-            await anyio.sleep(TICK_S)
-
-
-class Soak:
-    """The workers, the faults and the per-minute monitor of one soak run."""
-
-    def __init__(
-        self, url: str, db_url: str, namespace: str, rate: float, options: Options, progress: Progress
-    ) -> None:
-        self.url = url
-        self.db_url = db_url
-        self.namespace = namespace
-        self.rate = rate
-        self.options = options
-        self.progress = progress
-        self.stream = stream_key(namespace)
-        base = f"{self.stream}:g:{GROUP}"
-        self.redeliver, self.delayed, self.dlq, self.inbox = (
-            f"{base}:{k}" for k in ("redeliver", "delayed", "dlq", "inbox")
-        )
-        self.mon = redis.Redis.from_url(url, protocol=2)  # one connection: it issues CLIENT KILL and is skipped
-        self.workers: list[Child] = []
-        self.kills = 0
-        self.resets = 0
-        self.stopping = threading.Event()  # set on Ctrl-C or SIGTERM: the monitor stops injecting faults
-        self.samples: list[dict[str, float]] = []  # one per second: t, lag, rss_w0, used_memory
-        # per minute: used_memory, inbox bytes, inbox ids, inbox keys, DLQ and backlog bytes, key tables
-        self.memory: list[tuple[int, int, int, int, int, int]] = []
-
-    def start(self, i: int) -> Child:
-        """Start worker ``w<i>``."""
-        args, env = sql_bench.worker_args(self.options.kind, self.url, self.db_url, self.namespace, f"w{i}")
-        return Child(f"soak-w{i}", args, env)
-
-    def lag(self) -> int:
-        """Entries behind: unacknowledged in the stream plus waiting in the group's redelivery stream."""
-        pipe = self.mon.pipeline(transaction=False)
-        pipe.xlen(self.stream)
-        pipe.xlen(self.redeliver)
-        return sum(pipe.execute())
-
-    def _kill_and_restart(self) -> None:
-        for i in range(1, 3):
-            w = self.workers[i]
-            w.proc.kill()
-            w.proc.wait()
-            w.stop(grace=0)
-            self.workers[i] = self.start(i)
-        self.kills += 2
-
-    def monitor(self, ledger: Ledger, seconds: float, db: psycopg.Connection[Any]) -> None:
-        """Sample every second, inject faults, print a line a minute; returns when the load ends."""
-        began = time.monotonic()
-        next_kill = began + random.uniform(*self.options.kill_every)
-        next_reset = began + self.options.reset_every
-        next_line, minute = began + 60, 1
-        last = {"sent": 0, "processed": 0}
-        max_lag = 0.0
-        print(
-            f"{'min':>4} {'offered':>8} {'total':>8} {'processed':>9} {'total':>8} {'lag now':>8} {'lag s':>6} "
-            f"{'max lag s':>9} {'DLQ':>6} {'worker RSS MiB (w0 w1 w2)':>26} {'server MiB':>10} {'inbox MiB':>9} "
-            f"{'kills':>5} {'resets':>6}",
-            flush=True,
-        )
-        while (now := time.monotonic()) - began < seconds and not self.stopping.is_set():
-            lag = self.lag()
-            lag_s = lag / self.rate
-            max_lag = max(max_lag, lag_s)
-            used = int(self.mon.info("memory")["used_memory"])
-            rss0 = rss_kib(self.workers[0].pid) or 0
-            self.samples.append({"t": now - began, "lag": lag, "lag_s": lag_s, "rss_w0": rss0, "used_memory": used})
-            if now >= next_kill:
-                self._kill_and_restart()
-                next_kill = now + random.uniform(*self.options.kill_every)
-            if now >= next_reset:
-                self.mon.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
-                self.resets += 1
-                next_reset = now + self.options.reset_every
-            if now >= next_line or now - began + 1 >= seconds:
-                self._line(minute, ledger, db, lag, lag_s, max_lag, used, last)
-                next_line += 60
-                minute += 1
-                max_lag = 0.0
-            self.stopping.wait(max(0.0, 1.0 - (time.monotonic() - now)))
-
-    def _line(
-        self,
-        minute: int,
-        ledger: Ledger,
-        db: psycopg.Connection[Any],
-        lag: int,
-        lag_s: float,
-        max_lag: float,
-        used: int,
-        last: dict[str, int],
-    ) -> None:
-        rows = sql_bench.count_rows(db)
-        dead = int(self.mon.xlen(self.dlq))
-        processed = rows + dead
-        inbox, ids, keys = self.inbox_usage()
-        dlq_bytes = int(self.mon.memory_usage(self.dlq, samples=0) or 0)
-        self.memory.append((used, inbox, ids, keys, dlq_bytes + self.backlog_bytes(), self.keyspace_tables()))
-        rss = " ".join(f"{(rss_kib(w.pid) or 0) / 1024:.0f}" for w in self.workers)
-        sent = ledger.sent
-        print(
-            f"{minute:>4} {sent - last['sent']:>8,} {sent:>8,} {processed - last['processed']:>9,} {processed:>8,} "
-            f"{lag:>8,} {lag_s:>6.1f} {max_lag:>9.1f} {dead:>6,} {rss:>26} {used / 2**20:>10.1f} "
-            f"{inbox / 2**20:>9.1f} {self.kills:>5} {self.resets:>6}",
-            flush=True,
-        )
-        last["sent"], last["processed"] = sent, processed
-
-    def backlog_bytes(self) -> int:
-        """Bytes of the work not yet done (the stream, the redelivery stream, the delayed retries):
-        it follows the lag, which is judged on its own."""
-        pipe = self.mon.pipeline(transaction=False)
-        for key in (self.stream, self.redeliver, self.delayed):
-            pipe.memory_usage(key, samples=0)
-        return sum(int(v or 0) for v in pipe.execute(raise_on_error=False) if isinstance(v, int))
-
-    def keyspace_tables(self) -> int:
-        """Bytes of the server's key tables (``MEMORY STATS``: each database's main and expiry hash
-        tables, and Valkey's lookup tables). They grow in steps with the number of keys, which the
-        inbox's buckets dominate; ``MEMORY USAGE`` of a key leaves them out."""
-        stats = self.mon.memory_stats()
-        total = int(stats.get("overhead.db.hashtable.lut", 0) or 0)
-        for name, value in stats.items():
-            if name.startswith("db.") and isinstance(value, dict):
-                total += int(value.get("overhead.hashtable.main", 0)) + int(value.get("overhead.hashtable.expires", 0))
-        return total
-
-    def inbox_usage(self) -> tuple[int, int, int]:
-        """Server bytes of the group's Redis inbox (every key: zset, buckets, slot records; MEMORY
-        USAGE + about 56 bytes of keyspace and expiry entries each), the ids it remembers, its keys."""
-        keys = [self.inbox, *self.mon.scan_iter(f"{self.inbox}:*", count=1000)]
-        pipe = self.mon.pipeline(transaction=False)
-        for key in keys:
-            pipe.memory_usage(key, samples=0)
-        buckets = [k for k in keys if b":b:" in (k if isinstance(k, bytes) else k.encode())]
-        for key in buckets:
-            pipe.hlen(key)
-        pipe.zcard(self.inbox)
-        replies = pipe.execute(raise_on_error=False)
-        sizes, counts = replies[: len(keys)], replies[len(keys) :]
-        used = sum(int(v) + _KEY_ENTRY_BYTES for v in sizes if isinstance(v, int))
-        return used, sum(int(v) for v in counts if isinstance(v, int)), len(keys)
-
-    def dead_letter_ids(self) -> set[str]:
-        """Message ids in the group's dead-letter stream (a repeated publish may have left two entries)."""
-        ids: set[str] = set()
-        for _, fields in self.mon.xrange(self.dlq, "-", "+"):
-            if b"id" in fields:
-                ids.add(fields[b"id"].decode())
-        return ids
-
-    def drained(self, ledger: Ledger, db: psycopg.Connection[Any]) -> bool:
-        """Every good row written, every bad message dead-lettered, nothing left to process or retry."""
-        pipe = self.mon.pipeline(transaction=False)
-        pipe.xlen(self.stream)
-        pipe.xlen(self.redeliver)
-        pipe.zcard(self.delayed)
-        if any(pipe.execute()):
-            return False
-        return sql_bench.count_rows(db) >= len(ledger.good) and ledger.bad_ids <= self.dead_letter_ids()
-
-
-INBOX_BYTES_LIMIT = 32  # issue #15's target
-_KEY_ENTRY_BYTES = 56  # a key's keyspace and expiry entries, which MEMORY USAGE leaves out (an estimate)
 
 
 def _quarters(values: list[float]) -> tuple[float, float]:
@@ -368,7 +106,7 @@ def _soak(url: str, db_url: str, rate: float, options: Options, progress: Progre
             monitor = threading.Thread(target=soak.monitor, args=(ledger, seconds, db), name="soak-monitor")
             monitor.start()
             try:
-                anyio.run(_publish, url, namespace, rate, seconds, options, ledger)
+                anyio.run(publish, url, namespace, rate, seconds, options, ledger)
             except BaseException:  # Ctrl-C, SIGTERM: no more faults, no restarts; stop now
                 soak.stopping.set()
                 raise
@@ -402,7 +140,7 @@ def _soak(url: str, db_url: str, rate: float, options: Options, progress: Progre
         # hold the backlog (judged as lag): the server's memory apart from them must stay flat
         # (the key tables' share is measured: the per-key estimate in the inbox's bytes is taken back out)
         apart = [
-            used - (inbox - _KEY_ENTRY_BYTES * keys) - dlq - tables for used, inbox, _, keys, dlq, tables in soak.memory
+            used - (inbox - KEY_ENTRY_BYTES * keys) - dlq - tables for used, inbox, _, keys, dlq, tables in soak.memory
         ]
         mem_first, mem_last = _quarters(apart or [0])
         inbox_bytes, inbox_ids = soak.memory[-1][1:3] if soak.memory else (0, 0)

@@ -33,19 +33,16 @@ ratios are paired by round (``python -m benchmarks`` computes them with :func:`s
 from __future__ import annotations
 
 import contextlib
-import gzip
 import os
-import socket
 import statistics
-import threading
-import time
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from benchmarks import runtime_bench
+from benchmarks import framework_bench
+from benchmarks.cpu_watch import CpuWatch
+from benchmarks.otlp_sink import Sink, free_port, scrape
+from benchmarks.streams import Progress
 
 __all__ = [
     "BASELINE_ENV",
@@ -106,192 +103,6 @@ def round_order(round_: int) -> tuple[str, ...]:
     return ms[k:] + ms[:k]
 
 
-# -- the OTLP sink ------------------------------------------------------------------------------------------
-
-
-class Sink:
-    """A local OTLP/HTTP receiver: 200 to every POST, bodies kept per path until :meth:`report`."""
-
-    def __init__(self) -> None:
-        self.bodies: dict[str, list[bytes]] = {}
-        self._lock = threading.Lock()
-        sink = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, as with a real collector
-
-            def do_POST(self) -> None:
-                data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    data = gzip.decompress(data)
-                with sink._lock:
-                    sink.bodies.setdefault(self.path, []).append(data)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, name="otlp-sink", daemon=True)
-
-    def __enter__(self) -> Sink:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self._thread.join()
-
-    def report(self) -> dict[str, Any]:
-        """Requests, bytes and what they carried (spans; metric names and points) per signal."""
-        with self._lock:
-            bodies = {path: list(items) for path, items in self.bodies.items()}
-        out: dict[str, Any] = {}
-        if traces := bodies.pop("/v1/traces", None):
-            out["traces"] = {"requests": len(traces), "bytes": sum(map(len, traces)), "spans": _count_spans(traces)}
-        if metrics := bodies.pop("/v1/metrics", None):
-            names, points = _metric_points(metrics)
-            out["metrics"] = {
-                "requests": len(metrics),
-                "bytes": sum(map(len, metrics)),
-                "points": points,
-                "names": sorted(names),
-            }
-        for path, items in bodies.items():
-            out[path] = {"requests": len(items), "bytes": sum(map(len, items))}
-        return out
-
-
-def _count_spans(bodies: Sequence[bytes]) -> int:
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    spans = 0
-    for data in bodies:
-        request = ExportTraceServiceRequest.FromString(data)
-        spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-    return spans
-
-
-def _metric_points(bodies: Sequence[bytes]) -> tuple[set[str], int]:
-    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-
-    names: set[str] = set()
-    points = 0
-    for data in bodies:
-        request = ExportMetricsServiceRequest.FromString(data)
-        for rm in request.resource_metrics:
-            for sm in rm.scope_metrics:
-                for metric in sm.metrics:
-                    names.add(metric.name)
-                    kind = metric.WhichOneof("data")
-                    points += len(getattr(metric, kind).data_points) if kind else 0
-    return names, points
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _scrape(port: int) -> dict[str, Any]:
-    """One scrape of the worker's Prometheus endpoint: size, samples, messages it counted processed."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples = [line for line in text.splitlines() if line and not line.startswith("#")]
-    processed = sum(
-        float(line.rsplit(" ", 1)[1]) for line in samples if line.startswith("framework_messages_processed_total")
-    )
-    return {"bytes": len(text), "samples": len(samples), "processed": processed}
-
-
-# -- the worker's CPU time -------------------------------------------------------------------------------------
-
-
-class CpuWatch:
-    """Samples the CPU time of this process's worker child, all its threads, every 5 ms.
-
-    Throughput on a shared 2-core machine moves with the other processes' load; CPU seconds per
-    message move far less, so they cross-check the throughput ratios. The worker is the child
-    whose command line holds ``bench-worker`` (one at a time: the drain runs one worker). The
-    time comes from each thread's ``/proc/<pid>/task/<tid>/schedstat`` (nanoseconds; ``utime`` and
-    ``stime`` count 10 ms ticks, too coarse for a drain of a fraction of a second); a thread that
-    ends keeps the last time it was seen with.
-    """
-
-    def __init__(self, interval: float = 0.005) -> None:
-        self.interval = interval
-        self.samples: list[tuple[int, float]] = []  # (Unix ns, CPU seconds)
-        self.pid: int | None = None
-        self._threads: dict[str, int] = {}  # tid -> its CPU ns when last seen
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="worker-cpu", daemon=True)
-
-    def __enter__(self) -> CpuWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _find(self) -> int | None:
-        me = str(os.getpid())
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    if f.read().rsplit(b")", 1)[1].split()[1].decode() != me:
-                        continue
-                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                    if b"bench-worker" in f.read():
-                        return int(entry.name)
-            except (OSError, IndexError):
-                continue
-        return None
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self.pid is None:
-                self.pid = self._find()
-                if self.pid is None:  # not started yet (it imports for a while before it drains)
-                    self._stop.wait(0.05)
-                    continue
-            else:
-                try:
-                    tids = os.listdir(f"/proc/{self.pid}/task")
-                except OSError:
-                    return  # the worker is gone
-                for tid in tids:
-                    try:
-                        with open(f"/proc/{self.pid}/task/{tid}/schedstat", "rb") as f:
-                            self._threads[tid] = int(f.read().split()[0])
-                    except (OSError, IndexError, ValueError):
-                        continue  # the thread just ended: its last value stays
-                self.samples.append((time.time_ns(), sum(self._threads.values()) / 1e9))
-            self._stop.wait(self.interval)
-
-    def _at(self, t_ns: int) -> float:
-        """CPU seconds at ``t_ns``, interpolated between the samples around it."""
-        before = [s for s in self.samples if s[0] <= t_ns]
-        after = [s for s in self.samples if s[0] >= t_ns] or self.samples[-1:]  # exited: its last sample
-        if not before or not after:
-            raise RuntimeError("the worker's CPU time was not sampled around the timed span")
-        (t0, c0), (t1, c1) = before[-1], after[0]
-        return c0 if t1 == t0 else c0 + (c1 - c0) * (t_ns - t0) / (t1 - t0)
-
-    def between(self, start_ns: int, end_ns: int) -> float:
-        """The worker's CPU seconds from ``start_ns`` to ``end_ns`` (Unix ns)."""
-        return self._at(end_ns) - self._at(start_ns)
-
-
 # -- one trial per mode ---------------------------------------------------------------------------------------
 
 
@@ -315,7 +126,7 @@ def _mode(mode: str) -> Iterator[tuple[dict[str, Any], Sink, int | None]]:
     """The worker options of ``mode`` (``env``, ``extra_args``, ``launcher``), the sink, the metrics port."""
     _check_environment()
     with Sink() as sink:
-        options: dict[str, Any] = {"env": {}, "extra_args": (), "launcher": runtime_bench.FRAMEWORK}
+        options: dict[str, Any] = {"env": {}, "extra_args": (), "launcher": framework_bench.FRAMEWORK}
         port = None
         if mode in ("trace-all", "trace-1pct"):
             options["env"] = {
@@ -324,7 +135,7 @@ def _mode(mode: str) -> Iterator[tuple[dict[str, Any], Sink, int | None]]:
                 "OTEL_TRACES_SAMPLER_ARG": "1.0" if mode == "trace-all" else "0.01",
             }
         elif mode == "metrics":
-            port = _free_port()
+            port = free_port()
             options["env"] = {
                 "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": f"{sink.url}/v1/metrics",
                 "OTEL_METRIC_EXPORT_INTERVAL": str(METRIC_INTERVAL_MS),
@@ -338,14 +149,14 @@ def _mode(mode: str) -> Iterator[tuple[dict[str, Any], Sink, int | None]]:
         yield options, sink, port
 
 
-def drain_trial(url: str, n: int, mode: str, *, progress: runtime_bench.Progress) -> dict[str, Any]:
-    """``runtime_bench.commands`` (inbox on) with the worker in ``mode``; adds what was exported."""
+def drain_trial(url: str, n: int, mode: str, *, progress: Progress) -> dict[str, Any]:
+    """``framework_bench.commands`` (inbox on) with the worker in ``mode``; adds what was exported."""
     with _mode(mode) as (options, sink, port):
         settled: Callable[[], dict[str, Any]] | None = None
         if port is not None:
-            settled = lambda: {"prometheus": _scrape(port)}  # noqa: E731
+            settled = lambda: {"prometheus": scrape(port)}  # noqa: E731
         with CpuWatch() as cpu:
-            result = runtime_bench.commands(
+            result = framework_bench.commands(
                 url, n, label=f"observability {mode}", progress=progress, on_settled=settled, **options
             )
     cpu_s = cpu.between(result["first_ns"], result["settled_ns"])
@@ -358,13 +169,11 @@ def drain_trial(url: str, n: int, mode: str, *, progress: runtime_bench.Progress
     }
 
 
-def latency_trial(
-    url: str, mode: str, *, rate: float, seconds: float, progress: runtime_bench.Progress
-) -> dict[str, Any]:
-    """``runtime_bench.latency`` with the worker in ``mode``; adds what was exported."""
+def latency_trial(url: str, mode: str, *, rate: float, seconds: float, progress: Progress) -> dict[str, Any]:
+    """``framework_bench.latency`` with the worker in ``mode``; adds what was exported."""
     with _mode(mode) as (options, sink, _port):
         progress(f"observability latency, {mode}")
-        result = runtime_bench.latency(url, rate=rate, seconds=seconds, progress=progress, **options)
+        result = framework_bench.latency(url, rate=rate, seconds=seconds, progress=progress, **options)
     return {**result, "mode": mode, "export": sink.report()}
 
 
@@ -437,7 +246,7 @@ def _cpu(fig: Mapping[str, Any], ratio: Mapping[str, Any] | None) -> tuple[str, 
 
 
 def rows(sm: Mapping[str, dict[str, Any]], errors: Mapping[str, str], latency_rate: float) -> list[dict[str, Any]]:
-    """The table rows (fields of ``benchmarks.__main__.Row``): msg/s per mode with its paired ratio
+    """The table rows (fields of ``benchmarks.rows.Row``): msg/s per mode with its paired ratio
     to ``off`` and the verdict, then latency per mode."""
     out: list[dict[str, Any]] = []
     if "observability" in errors:

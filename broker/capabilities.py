@@ -164,6 +164,11 @@ class PartitionOwnership(Protocol):
         """Whether the :meth:`take_over` scan with ``cursors`` has gone through every pending entry."""
         ...
 
+    async def stop_reading(self, source: GroupPartition) -> None:
+        """This process no longer owns the partition: end any subscription the transport keeps for it here
+        (a server pushing messages to a consumer), so its next owner gets them; nothing where reads pull."""
+        ...
+
 
 @runtime_checkable
 class DeadLetterAdmin(Protocol):

@@ -120,12 +120,15 @@ async def _connect_amqp(url: str, namespace: str | None) -> Broker:
             f"{redact(url)!r} needs the RabbitMQ client (aio-pika): pip install 'framework[rabbitmq]'"
         ) from None
     inbox = _side_inbox(url, namespace)
-    schedule = None
-    if inbox is not None:  # scheduled messages and recurring jobs live in the inbox's Redis too
+    schedule = leases = None
+    if inbox is not None:  # scheduled messages, recurring jobs and partition leases live in the inbox's Redis too
+        from broker.redis.side_leases import RedisLeases
         from broker.redis.side_schedule import RedisSchedule
 
-        schedule = RedisSchedule(inbox)
-    broker: Broker = await connect_rabbitmq(url, namespace=namespace, inbox=inbox, schedule=schedule)
+        schedule, leases = RedisSchedule(inbox), RedisLeases(inbox)
+    broker: Broker = await connect_rabbitmq(
+        url, namespace=namespace, inbox=inbox, schedule=schedule, leases=leases, counters=inbox
+    )
     return broker
 
 

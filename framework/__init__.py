@@ -21,11 +21,12 @@ internal and may change without notice.
 Layers: a module imports only from its own layer or the layers below it, and no import forms a
 circle, counting imports inside functions and under ``TYPE_CHECKING`` (``tests/layers.py``).
 From the bottom: leaf helpers (``_payloads``, ``retries``, ``settings``, ``sql``, ``logs``,
-``handlers`` with Queue/Topic/Handler, ``outcomes``, ``_messages``, ``replies``, ``scheduling``, the outbox
-tables in ``outbox.schema``) -> ``observability`` (tracing, metrics, the consumer's observer,
-the ``hooks`` switches, log context) and ``logconfig`` -> the database ``outbox`` and its relay
--> handler effects (``group_commit``, ``effects``) and the requester (``requests``) -> the
-handler ``context`` and ``middleware``
+``subscriptions`` with topic patterns and filters, ``handlers`` with Queue/Topic/Handler,
+``outcomes``, ``_messages``, ``replies``, ``scheduling``, the outbox tables in ``outbox.schema``)
+-> ``observability`` (tracing, metrics, the consumer's observer, the ``hooks`` switches, log
+context) and ``logconfig`` -> the database ``outbox`` and its relay -> handler effects
+(``group_commit``, ``effects``) and the requester (``requests``) -> the handler ``context`` and
+``middleware``
 -> ``saga`` -> ``service`` -> ``client``, ``inbox``, ``dead_letters`` and the actor ``runtime``
 -> the operators' ``operations`` and ``dashboard`` -> ``testing``, ``cli`` and this module. A lower
 module that needs a higher one's object gets it passed in, typed by a small Protocol of its own
@@ -48,6 +49,7 @@ from framework.runtime import Runtime
 from framework.saga import Saga, SagaContext
 from framework.service import HandlerError, Queue, Service, Topic
 from framework.settings import RuntimeSettings
+from framework.subscriptions import Filter, MessageInfo
 
 __all__ = [
     # writing services
@@ -56,6 +58,9 @@ __all__ = [
     "Topic",
     "Context",
     "HandlerError",
+    # which of a topic's events a handler takes, judged before decoding (docs/patterns-and-filters.md)
+    "Filter",
+    "MessageInfo",
     # lifespan: resources opened once per worker process (svc.resource, ctx.resources[r]), hooks
     "Resource",
     "StartupError",

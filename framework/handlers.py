@@ -19,6 +19,7 @@ import attrs
 from broker import COMMAND, DEFAULT_RETENTION_MS, EVENT, DestinationSpec, Start
 from framework.batching import BatchPolicy
 from framework.retries import RetryPolicy
+from framework.subscriptions import Filter, Pattern
 
 if TYPE_CHECKING:
     from broker import Broker, Delivery
@@ -100,6 +101,10 @@ class Handler:
     # its transport lacks one: see framework.runtime.requirements).
     needs: dict[str, str] = attrs.field(factory=dict)
     batch: BatchPolicy | None = None  # a batch handler: it takes a list of payloads (framework.runtime.batch)
+    # filter=: which of the destination's messages this handler takes (None: the default handler)
+    filter: Filter | None = None
+    # a topic pattern ("orders.*"): the runtime wires a copy of this handler per matching topic
+    pattern: Pattern | None = None
 
     @property
     def spec(self) -> DestinationSpec:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TextIO, cast
 
 import structlog
 
@@ -21,6 +22,20 @@ __all__ = ["configure_logging"]
 
 _FORMATS = ("console", "json")
 _QUIET_LIBRARIES = ("asyncio", "urllib3", "opentelemetry", "py4j", "pyspark", "sqlalchemy", "psycopg")
+
+
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is when a line is written, not when logging was configured (a
+    caller that redirected stderr meanwhile, e.g. pytest's capture, may have closed the old one)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_STDERR = _CurrentStderr()
 
 
 def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
@@ -65,12 +80,12 @@ def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _STDERR)),
         cache_logger_on_first_use=True,
     )
     set_configured_level(numeric)
     # stdlib records: the same renderer; the filter adds the message context as record attributes
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_STDERR)
     handler.addFilter(MessageContextFilter())
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(

@@ -21,6 +21,7 @@ from framework.retries import DEFAULT_RETRY, RetryPolicy
 from framework.saga import Saga
 from framework.saga.policy import DEFAULT_KEEP_COMPLETED
 from framework.scheduling import Job, ScheduleError
+from framework.subscriptions import Filter, Pattern, filter_of, is_pattern, names_overlap
 
 if TYPE_CHECKING:
     from broker import Broker, Delivery
@@ -157,8 +158,15 @@ class Service:
         inbox: _InboxMode | None = None,
         timeout: timedelta | float | None = None,
         batch: BatchPolicy | None = None,
+        filter: Filter | Callable[[Any], bool] | None = None,
     ) -> Callable[[F], F]:
         """Declare a handler of the events published to ``topic``.
+
+        ``topic`` may be a pattern: ``*`` matches one dot-separated word, ``#`` zero or more
+        (``"orders.*"``); matching topics, existing or created while the service runs, are
+        subscribed. ``filter`` (a :class:`~framework.subscriptions.Filter` or a predicate of
+        :class:`~framework.subscriptions.MessageInfo`) takes only some of the topic's events,
+        judged before the body is decoded; see docs/patterns-and-filters.md.
 
         ``key`` computes the ordering key from the payload (default: the message's key); messages
         with one key run one at a time, in order. ``start`` applies when this service first
@@ -171,7 +179,24 @@ class Service:
         if start not in ("earliest", "latest"):
             raise HandlerError(f"{self.name}: start must be 'earliest' or 'latest', not {start!r}")
         dest = topic if isinstance(topic, Topic) else Topic(topic)
-        return self._register(dest, retry, key, start, inbox, timeout, batch=batch)
+        pattern = None
+        if is_pattern(dest.name):
+            if isinstance(topic, Topic):
+                raise HandlerError(
+                    f"{self.name}: Topic({dest.name!r}) is a pattern: pass it as a string; the topics it matches "
+                    "keep their own partitions and retention"
+                )
+            try:
+                pattern = Pattern.parse(dest.name)
+            except ValueError as exc:
+                raise HandlerError(f"{self.name}: {exc}") from None
+        try:
+            chosen = filter_of(filter)
+        except ValueError as exc:
+            raise HandlerError(f"{self.name}: handler for {dest.name!r}: {exc}") from None
+        if chosen is not None and batch is not None:
+            raise HandlerError(f"{self.name}: handler for {dest.name!r}: a batch handler takes no filter= (not yet)")
+        return self._register(dest, retry, key, start, inbox, timeout, batch=batch, filter=chosen, pattern=pattern)
 
     def every(
         self,
@@ -256,11 +281,15 @@ class Service:
         prepare: Callable[[Broker, list[Delivery], int | None, Any], Awaitable[None]] | None = None,
         needs: dict[str, str] | None = None,
         batch: BatchPolicy | None = None,
+        *,
+        filter: Filter | None = None,
+        pattern: Pattern | None = None,
     ) -> Callable[[F], F]:
         if batch is not None and not isinstance(batch, BatchPolicy):
             raise HandlerError(f"{self.name}: batch= takes a BatchPolicy(max_size=..., max_wait=...), not {batch!r}")
         try:
-            dest.spec()
+            if pattern is None:
+                dest.spec()
         except Exception as exc:
             raise HandlerError(f"{self.name}: {exc}") from None
         seconds = self.timeout if timeout is None else _seconds(timeout, f"{self.name}: handler for {dest.name!r}")
@@ -270,14 +299,16 @@ class Service:
         def decorator(fn: F) -> F:
             name = getattr(fn, "__name__", None) or type(fn).__name__
             where = f"handler {self.name}.{name} for {dest.name!r}"
+            mode = self.inbox if inbox is None else _inbox_mode(inbox, where)
             for existing in self.handlers:
-                if existing.destination.name == dest.name:
+                if isinstance(dest, Topic) and isinstance(existing.destination, Topic):
+                    _check_shared(where, dest.name, filter, mode, existing, batch is not None)
+                elif existing.destination.name == dest.name:
                     raise HandlerError(
                         f"{where}: service {self.name!r} already handles {dest.name!r} with {existing.name}; "
                         "one service has one handler per destination"
                     )
             is_async, takes_ctx, payload_type = _inspect(fn, where)
-            mode = self.inbox if inbox is None else _inbox_mode(inbox, where)
             try:
                 decode = decoder_for(payload_type if batch is None else batch_element_type(payload_type))
             except TypeError as exc:
@@ -300,9 +331,44 @@ class Service:
                     timeout=seconds,
                     prepare=prepare,
                     needs=dict(needs or {}),
+                    filter=filter,
+                    pattern=pattern,
                     batch=batch,
                 )
             )
             return fn
 
         return decorator
+
+
+def _check_shared(
+    where: str, name: str, filter: Filter | None, mode: _InboxMode, existing: Handler, batch: bool
+) -> None:
+    """Refuse a topic handler that could take a message ``existing`` takes too (one handler per
+    message), or that shares a topic with it under another inbox mode (they share one reader)."""
+    other = existing.destination.name
+    if not names_overlap(name, other):
+        return
+    theirs = existing.filter
+    both = f"{where} and {existing.label} (for {other!r})"
+    if batch or existing.batch is not None:
+        raise HandlerError(
+            f"{both} share topics, and one takes batches: a batch handler reads its topics alone "
+            "(no filter=, no other handler of the service on them)"
+        )
+    if filter is None and theirs is None:
+        raise HandlerError(
+            f"{both} are both default handlers (no filter) of the same topics: one handler per message. "
+            "Give one a filter=Filter(type=..., headers=...) or handle both in one function"
+        )
+    if filter is not None and theirs is not None and filter.overlaps(theirs):
+        raise HandlerError(
+            f"{both} have filters that can both match one message ({filter!r}, {theirs!r}): one handler per "
+            "message. Make them differ in type= or in the value of one header (predicates cannot tell them apart)"
+        )
+    existing_mode = "sql" if existing.sql_inbox else existing.inbox
+    if mode != existing_mode:
+        raise HandlerError(
+            f"{both} share topics but not the inbox mode ({mode!r} and {existing_mode!r}): they share one "
+            "reader, so give them the same inbox="
+        )

@@ -47,6 +47,15 @@ def lease_ttl() -> float:
     return float(raw) if raw else 5.0
 
 
+def pattern_refresh() -> float:
+    """``$FRAMEWORK_PATTERN_REFRESH`` in seconds, else 5."""
+    raw = os.environ.get("FRAMEWORK_PATTERN_REFRESH", "").strip()
+    try:
+        return float(raw) if raw else 5.0
+    except ValueError:
+        raise ValueError(f"FRAMEWORK_PATTERN_REFRESH={raw!r} is not a number of seconds (e.g. 5)") from None
+
+
 _DURATIONS = (
     "visibility_timeout",
     "ack_interval",
@@ -56,6 +65,7 @@ _DURATIONS = (
     "inbox_window",
     "group_commit_wait",
     "lease_ttl",
+    "pattern_refresh",
 )
 
 
@@ -99,6 +109,9 @@ class RuntimeSettings:
     sql_connections     connections per engine for ``ctx.sql_transaction`` blocks in this process,
                         so blocks on one engine run at most this many at a time (bounded by the
                         engine's pool size + overflow; logged when the engine is first used)
+    pattern_refresh     seconds between looks at the destination registry for new topics matching a
+                        pattern subscription (``@svc.event("orders.*")``). Default
+                        ``$FRAMEWORK_PATTERN_REFRESH``, else 5
     """
 
     concurrency: int = 64
@@ -117,6 +130,7 @@ class RuntimeSettings:
     sql_connections: int = 8
     ownership: str = attrs.field(factory=lambda: ownership_mode())
     lease_ttl: float = attrs.field(factory=lambda: lease_ttl())
+    pattern_refresh: float = attrs.field(factory=lambda: pattern_refresh())
 
     def __attrs_post_init__(self) -> None:
         for name in _DURATIONS:  # nan passes every comparison below (a nan lease crashes every task)
@@ -133,6 +147,8 @@ class RuntimeSettings:
             raise ValueError(f"ownership must be one of {', '.join(_OWNERSHIP)}, got {self.ownership!r}")
         if self.lease_ttl < 0.3:
             raise ValueError("lease_ttl must be at least 0.3 seconds")
+        if self.pattern_refresh <= 0:
+            raise ValueError("pattern_refresh must be a positive number of seconds")
         if self.visibility_timeout <= 0.1:
             raise ValueError("visibility_timeout must be more than 0.1 seconds")
 

@@ -1,4 +1,5 @@
-"""The layer check of ``make lint``: no import circle among a package's modules, counting every import.
+"""The layer check of ``make lint``: no import circle among a package's modules, counting every import,
+and no module longer than :data:`MAX_LINES` lines (split one by job before it grows past that).
 
 Imports inside functions and under ``TYPE_CHECKING`` count as much as module-level ones: a circle
 held open by a deferred import is still a circle (it only moves the failure from import time to
@@ -7,8 +8,9 @@ run time). ``from package import name`` counts as importing the package's ``__in
 counted (a package's ``__init__`` re-exporting its children is not a circle of design).
 
 Run: ``python tests/layers.py framework broker spark_bridge``; exit status 1 and one line per
-circle when there is any. The one-way rules between packages (``example_services -> framework ->
-broker``) are import-linter contracts in pyproject.toml.
+circle or oversized module when there is any (no argument: every package of :data:`PACKAGES`).
+The one-way rules between packages (``example_services -> framework -> broker``) are
+import-linter contracts in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ["framework", "broker", "spark_bridge", "example_services", "benchmarks"]
+MAX_LINES = 450  # the house rule: no module grows past this
 
 
 def module_files(package: str) -> dict[str, Path]:
@@ -102,14 +106,30 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+def oversized(packages: list[str], limit: int = MAX_LINES) -> list[tuple[Path, int]]:
+    """Every ``.py`` file of ``packages`` longer than ``limit`` lines, with its line count."""
+    found = []
+    for package in packages:
+        for path in module_files(package).values():
+            lines = len(path.read_text(encoding="utf-8").splitlines())
+            if lines > limit:
+                found.append((path.relative_to(ROOT), lines))
+    return sorted(found)
+
+
 def main(argv: list[str]) -> int:
-    packages = argv or ["framework", "broker", "spark_bridge", "example_services"]
+    packages = argv or PACKAGES
     found = circles(import_graph(packages))
     for component in found:
         print(f"import circle of {len(component)}: {' -> '.join(component)}")
     if not found:
         print(f"no import circle in {', '.join(packages)}")
-    return 1 if found else 0
+    too_long = oversized(packages)
+    for path, lines in too_long:
+        print(f"{path}: {lines} lines, over the {MAX_LINES}-line limit; split it by job into modules")
+    if not too_long:
+        print(f"no module over {MAX_LINES} lines in {', '.join(packages)}")
+    return 1 if found or too_long else 0
 
 
 if __name__ == "__main__":

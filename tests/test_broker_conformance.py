@@ -80,12 +80,13 @@ def rabbitmq_features(capabilities: frozenset[str]) -> Features:
     """What the RabbitMQ transport claims: its capabilities and the Redis inbox and schedule beside it, minus
     the promises docs/transports.md lists as gaps."""
     return Features.of(
-        capabilities | {"scheduling"},
+        capabilities | {"scheduling", "ownership"},
         inbox=True,
         retention=False,
         idempotency_keys=False,
         parked_retries=False,
         atomic_settlement=False,
+        fencing=False,
         store_raw=rabbitmq_store_raw,
     )
 

@@ -30,6 +30,12 @@ def test_a_resource_opens_once_per_worker_reaches_handlers_and_closes_after_the_
 ) -> None:
     log = tmp_path / "lifespan.log"
     procs = [workers.start("lifespanapp:service", f"w{i}", LIFESPAN_LOG=str(log)) for i in range(2)]
+    # both workers up before any SIGTERM: one still importing has no signal handler yet (dies with -15),
+    # and one stopped while its lifespan opens never opens the resource this test counts per worker
+    for i in range(2):
+        wait_for(lambda i=i: "runtime started" in workers.log(f"w{i}"), 60, f"worker w{i} to start")
+    pids = {str(p.pid) for p in procs}
+    wait_for(lambda: pids <= {parts[0] for parts in _lines(log) if parts[1:2] == ["open"]}, 30, "both resources open")
     with SyncClient(worker_env["REDIS_URL"], namespace=worker_env["FRAMEWORK_NAMESPACE"]) as client:
         client.send_many(Queue("lifesvc.jobs"), [{"n": n} for n in range(20)])
         wait_for(lambda: sum(parts[1] == "handled" for parts in _lines(log)) == 20, 60, "20 jobs handled")

@@ -31,6 +31,8 @@ PUBLIC = {
         "Topic",
         "Context",
         "HandlerError",
+        "Filter",
+        "MessageInfo",
         "Resource",
         "StartupError",
         "BatchPolicy",

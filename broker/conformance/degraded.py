@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import time
 
-from broker.capabilities import as_dead_letter_admin
+import anyio
+
+from broker.capabilities import as_dead_letter_admin, as_ownership
 from broker.conformance.features import BrokerFactory, Features
 from broker.conformance.registry import check
 from broker.conformance.support import Brokers, Names, command, event, numbers, one_broker
@@ -96,3 +98,24 @@ async def check_settling_in_two_steps_loses_nothing(make: BrokerFactory, feature
         assert again[0].delivery_count == 2, f"a redelivery counts {again[0].delivery_count}, not 2"
         letters = await as_dead_letter_admin(b).dead_letter_entries(view)
         assert [i for i, _ in letters] == [dlq_id], f"dead letters {[i for i, _ in letters]}, written {dlq_id}"
+
+
+@check(requires=("ownership",), unless=("fencing",))
+async def check_without_fencing_leases_balance_but_a_stale_ack_still_applies(
+    make: BrokerFactory, features: Features
+) -> None:
+    """Without fencing the leases still hand tokens out in order, but a settle carrying a stale token is not
+    refused: the partition's next owner must expect a paused owner's late acks (its inbox drops re-runs)."""
+    names = Names()
+    async with one_broker(make) as broker:
+        own = as_ownership(broker)
+        spec = await broker.declare(DestinationSpec(names("nofence.jobs"), "command"))
+        [view] = await broker.subscribe(spec, "g")
+        stale = await own.acquire_lease(view, "a", 300)
+        await broker.publish([command(spec.name, 1)])
+        got = await broker.read(view, "a", 10, 2000, token=stale)
+        assert numbers(got) == [1]
+        await anyio.sleep(0.4)  # a's lease lapses (a paused owner), b takes the partition
+        current = await own.acquire_lease(view, "b", 60_000)
+        assert current > stale, f"tokens went back: {current} after {stale}"
+        assert await broker.ack(view, got, token=stale) == 1, "a stale token's ack was refused without fencing"

@@ -68,6 +68,10 @@ class Features:
     atomic_settlement: bool = True
     """``dead_letter`` and ``retry_later`` write the copy and acknowledge in one atomic step. False: a
     confirmed copy, then the ack; a crash between them delivers the message again (never loses it)."""
+    fencing: bool = True
+    """With ``ownership``: settles, reads, claims and take-overs carrying a stale token are refused
+    (:class:`~broker.errors.LeaseLost`). False: leases decide who reads a partition, but the server does not
+    check the token (a stale owner's ack still applies)."""
     blocking_reads: bool = True
     """:meth:`~broker.protocol.GroupReader.read` with ``block_ms`` waits for an entry published meanwhile."""
     shared_state: bool = True

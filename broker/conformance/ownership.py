@@ -7,7 +7,7 @@ import anyio
 from broker.capabilities import as_ownership
 from broker.conformance.features import BrokerFactory, Features
 from broker.conformance.registry import check
-from broker.conformance.support import Names, close_channel, command, numbers, one_broker, raises
+from broker.conformance.support import Brokers, Names, close_channel, command, numbers, one_broker, raises
 from broker.envelope import now_ms
 from broker.errors import LeaseLost
 from broker.protocol import Broker, Delivery, GroupPartition
@@ -67,7 +67,7 @@ async def check_leases_expire_and_every_acquisition_raises_the_token(make: Broke
         assert await own.heartbeat(spec.name, "g", "c", 300) == ["c"], "an expired heartbeat is listed"
 
 
-@check(requires=("ownership",))
+@check(requires=("ownership", "fencing"))
 async def check_a_stale_owner_gets_every_settle_refused(make: BrokerFactory, features: Features) -> None:
     """Once another instance acquired the partition, the old token's ack, retry_later and dead_letter
     raise LeaseLost and change nothing; the new owner takes the entries over and settles them."""
@@ -101,7 +101,7 @@ async def check_a_stale_owner_gets_every_settle_refused(make: BrokerFactory, fea
         assert await broker.ack(view, [fresh]) == 1
 
 
-@check(requires=("ownership",))
+@check(requires=("ownership", "fencing"))
 async def check_a_stale_owner_reads_and_claims_nothing(make: BrokerFactory, features: Features) -> None:
     """Fenced reads, claims and take-overs with a stale token raise LeaseLost and take nothing; the new
     owner takes over what the old one held and reads the rest."""
@@ -160,3 +160,29 @@ async def check_a_fenced_read_of_the_holder_waits_for_new_entries(make: BrokerFa
                     assert await broker.read(view, "holder", 10, 100, channel=ch, token=token) == []
         finally:
             await close_channel(channel)
+
+
+@check(requires=("ownership", "shared_state"))
+async def check_once_its_owner_stops_reading_the_next_owner_reads_the_partition(
+    make: BrokerFactory, features: Features
+) -> None:
+    """An owner that read part of a partition and settled it, then stopped reading it (a hand-back), leaves
+    the rest to the next owner, in order, nothing lost: a server pushing messages to it stops doing so."""
+    names = Names()
+    async with Brokers(make) as brokers:
+        first, second = await brokers(), await brokers()
+        view, _ = await _keyed_partition(first, names, "own.handback", 6)
+        token = await as_ownership(first).acquire_lease(view, "a", 60_000)
+        got = await first.read(view, "a", 2, 2000, token=token)
+        assert numbers(got) == [0, 1], f"the first owner read {numbers(got)}"
+        assert await first.ack(view, got, token=token) == 2
+        await as_ownership(first).stop_reading(view)
+        assert await as_ownership(first).release_lease(view, "a", token)
+        taken = await as_ownership(second).acquire_lease(view, "b", 60_000)
+        assert taken > token
+        rest: list[Delivery] = []
+        with anyio.fail_after(20):
+            while len(rest) < 4:
+                rest += await _take_over(second, view, "b", taken)
+                rest += await second.read(view, "b", 10, 500, token=taken)
+        assert numbers(rest) == [2, 3, 4, 5], f"the next owner read {numbers(rest)}: lost, doubled or out of order"

@@ -39,7 +39,8 @@ What it does not keep (``docs/transports.md`` has the table):
 * **No state store, no idempotency keys** (except for scheduled messages, kept in Redis): the runtime
   stops at start naming what is missing (a saga keeps its state in SQL instead: ``sql=``).
 * **Partitions** are ordered per queue by single active consumer: one worker at a time reads a
-  partition, the server picks which (no balancing by leases).
+  partition. Which one is decided by leases in the Redis beside the server
+  (:mod:`broker.rabbitmq.ownership`: balance, not fencing); with ``?inbox=none`` the server picks.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from broker.rabbitmq.connection import open_connection, split_url
 from broker.rabbitmq.core import is_closed_error
 from broker.rabbitmq.inbox import SideInbox
 from broker.rabbitmq.names import Layout
-from broker.rabbitmq.side import SideSchedule
+from broker.rabbitmq.side import SideCounters, SideLeases, SideSchedule
 from broker.urls import default_namespace, redact
 
 __all__ = ["RabbitBroker", "connect_rabbitmq"]
@@ -70,12 +71,20 @@ register_transport_errors(
 
 
 async def connect_rabbitmq(
-    url: str, *, namespace: str | None = None, inbox: SideInbox | None = None, schedule: SideSchedule | None = None
+    url: str,
+    *,
+    namespace: str | None = None,
+    inbox: SideInbox | None = None,
+    schedule: SideSchedule | None = None,
+    leases: SideLeases | None = None,
+    counters: SideCounters | None = None,
 ) -> RabbitBroker:
     """Connect to the RabbitMQ server ``url`` names and declare the namespace's exchanges; raise
     :class:`BrokerUnavailable` in one line saying what to do (never hang: every step is bounded).
     ``inbox``: the inbox's store (the broker then declares ``inbox``; it closes the store with itself);
-    ``schedule``: the scheduled messages' store (the broker then declares ``scheduling``)."""
+    ``schedule``: the scheduled messages' store (the broker then declares ``scheduling``); ``leases``: the
+    partition leases' store (``ownership``: balance over workers); ``counters``: named counters beside the
+    server (the registry's version: the registry stream is re-read only after a change)."""
     client_url, options = split_url(url)
     timeout = float(options.get("timeout", 10.0))
     where = redact(url)
@@ -87,6 +96,8 @@ async def connect_rabbitmq(
         namespace=namespace or default_namespace(),
         inbox=inbox,
         schedule=schedule,
+        leases=leases,
+        counters=counters,
         **options,
     )
     try:

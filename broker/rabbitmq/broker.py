@@ -12,16 +12,16 @@ from typing import Any
 
 import aio_pika.abc
 
-from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, REPLIES, SCHEDULING
+from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, REPLIES, SCHEDULING
 from broker.rabbitmq.inbox import SideInbox
+from broker.rabbitmq.ownership import Ownership
 from broker.rabbitmq.replies import Replies
-from broker.rabbitmq.scheduling import Scheduling
-from broker.rabbitmq.side import SideSchedule
+from broker.rabbitmq.side import SideCounters, SideLeases, SideSchedule
 
 __all__ = ["RabbitBroker"]
 
 
-class RabbitBroker(Scheduling, Replies):
+class RabbitBroker(Ownership, Replies):
     """Broker on a RabbitMQ server (3.10 or newer). Use :func:`broker.rabbitmq.connect_rabbitmq` (or
     ``broker.connect("amqp://...")``) to build one.
 
@@ -29,16 +29,18 @@ class RabbitBroker(Scheduling, Replies):
     :mod:`broker.rabbitmq` and declares ``dead_letter_admin``, ``introspection`` and ``replies``, and ``inbox`` when
     it was given an inbox store (``inbox``, a :class:`~broker.rabbitmq.inbox.SideInbox`: the Redis
     inbox from :func:`broker.connect`), and ``scheduling`` when it was given a schedule store (``schedule``,
-    a :class:`~broker.rabbitmq.side.SideSchedule`: the Redis one beside the inbox); no ``ownership``,
-    ``state`` or ``redis``.
+    a :class:`~broker.rabbitmq.side.SideSchedule`: the Redis one beside the inbox), and ``ownership`` when
+    it was given partition leases (``leases``: the Redis ones beside the inbox; they balance, not fence);
+    no ``state`` or ``redis``.
     """
 
     transport = "rabbitmq"
     capabilities = frozenset({DEAD_LETTER_ADMIN, INTROSPECTION, REPLIES})
     exclusive_partitions = True
-    """The server delivers each partition of several to one consumer at a time (single active consumer):
-    the runtime needs no ownership leases to keep per-key order across processes (it reads every partition
-    and the server picks the one reader; another takes over when that one's channel closes)."""
+    """The server delivers each partition of several to one consumer at a time (single active consumer), so
+    per-key order across processes holds without leases; with the ``ownership`` capability the runtime uses
+    leases too, to balance partitions over workers (without it, it reads every partition and the server
+    picks the one reader)."""
 
     def __init__(
         self,
@@ -46,14 +48,20 @@ class RabbitBroker(Scheduling, Replies):
         *,
         inbox: SideInbox | None = None,
         schedule: SideSchedule | None = None,
+        leases: SideLeases | None = None,
+        counters: SideCounters | None = None,
         **options: Any,
     ) -> None:
         super().__init__(connection, **options)
         self.side_inbox = inbox
         self.side_schedule = schedule
+        self.side_leases = leases
+        self.side_counters = counters
         extra = {INBOX} if inbox is not None else set()  # per instance: the class declares what every one has
         if schedule is not None:
             extra.add(SCHEDULING)
+        if leases is not None:
+            extra.add(OWNERSHIP)
         self.capabilities = frozenset({*self.capabilities, *extra})
         self._ready = set()
         self._chain_ready = False

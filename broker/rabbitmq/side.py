@@ -12,10 +12,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from broker.envelope import Envelope
+from broker.protocol import GroupPartition
 from broker.scheduling import MoveResult, ScheduledMessage
 from broker.topology import DestinationSpec
 
-__all__ = ["Forward", "SideSchedule"]
+__all__ = ["Forward", "SideCounters", "SideLeases", "SideSchedule"]
 
 Forward = Callable[[Sequence[Envelope]], Awaitable[None]]
 """Publishes envelopes to the server, confirmed (raises when it could not)."""
@@ -58,4 +59,41 @@ class SideSchedule(Protocol):
 
     async def counts(self, destination: str) -> dict[int, int]:
         """How many messages of ``destination`` wait, per partition (partitions with none may be missing)."""
+        ...
+
+
+class SideLeases(Protocol):
+    """Heartbeats and partition leases kept beside the server (they decide who reads; they do not fence)."""
+
+    def describe(self) -> str:
+        """Where they live (no password), for messages."""
+        ...
+
+    async def heartbeat(self, destination: str, group: str, instance: str, ttl_ms: int, leave: bool) -> list[str]:
+        """Beat ``instance``'s heartbeat in the group (or leave it); the live instances, sorted."""
+        ...
+
+    async def acquire(self, source: GroupPartition, instance: str, ttl_ms: int) -> int:
+        """Take the partition's lease if free or expired: a new token, or 0."""
+        ...
+
+    async def renew(self, held: Sequence[tuple[GroupPartition, int]], instance: str, ttl_ms: int) -> list[bool]:
+        """Renew (partition, token) leases in one round trip; False for each taken over meanwhile."""
+        ...
+
+    async def release(self, source: GroupPartition, instance: str, token: int) -> bool:
+        """Free the lease; False when the token is not current."""
+        ...
+
+
+class SideCounters(Protocol):
+    """Named counters kept beside the server: the registry's version, so a broker re-reads the registry
+    stream only after some process changed it (a read of the stream appends a marker record to it)."""
+
+    async def counter(self, name: str) -> int:
+        """The counter's value (0 when never bumped)."""
+        ...
+
+    async def bump(self, name: str) -> int:
+        """Raise the counter by one; its new value."""
         ...

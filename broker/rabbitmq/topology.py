@@ -8,6 +8,7 @@ record; the first one wins on reading.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import aio_pika
@@ -17,10 +18,14 @@ from broker.protocol import GroupPartition, Start
 from broker.rabbitmq.core import RabbitKeys
 from broker.rabbitmq.journals import Journals
 from broker.rabbitmq.names import DELAY_LEVELS, DELAY_UNIT_MS
+from broker.rabbitmq.side import SideCounters
 from broker.routing import Routing
 from broker.topology import DestinationSpec, validate_name
 
 __all__ = ["Registry", "Topology"]
+
+_REGISTRY_VERSION = "rabbitmq-registry"
+_log = logging.getLogger("broker.rabbitmq")
 
 _NOUN = {"command": "a queue (commands: use send)", "event": "a topic (events: use publish)"}
 
@@ -55,18 +60,43 @@ class Topology(Journals, Routing):
 
     _ready: set[str]
     _chain_ready: bool
+    side_counters: SideCounters | None = None
+    _registry_seen: tuple[int, Registry] | None = None  # (version, registry) of the last read
 
     async def _record(self, record: dict[str, Any]) -> None:
-        """Append a record to the registry stream (confirmed)."""
+        """Append a record to the registry stream (confirmed), then raise the registry's version."""
         await self._declare_journal(self.layout.registry)
         await self._append(self.layout.registry, [record])
+        if self.side_counters is not None:
+            try:
+                await self.side_counters.bump(_REGISTRY_VERSION)
+            except Exception as exc:  # publishing needs no store beside the server: say what it costs
+                _log.warning(
+                    "could not raise the registry's version beside RabbitMQ: other processes see this change "
+                    "at their next registry change (%s: %s)",
+                    type(exc).__name__,
+                    exc,
+                )
 
     async def read_registry(self) -> Registry:
-        """Every record of the registry stream up to now, applied in order."""
+        """Every record of the registry stream up to now, applied in order. With counters beside the
+        server, the stream is read again only when its version moved since this broker's last read
+        (each read appends a marker to the stream: reads that change nothing must not make it grow)."""
+        version: int | None = None
+        if self.side_counters is not None:
+            try:
+                version = await self.side_counters.counter(_REGISTRY_VERSION)
+            except Exception:  # the store beside the server is away: read the stream as without it
+                version = None
+        seen = self._registry_seen
+        if version is not None and seen is not None and seen[0] == version:
+            return seen[1]
         await self._declare_journal(self.layout.registry)
         registry = Registry()
         for record in await self._read_journal(self.layout.registry):
             registry.apply(record)
+        if version is not None:  # read before the stream: a change since makes the next call read again
+            self._registry_seen = (version, registry)
         return registry
 
     async def declare(self, spec: DestinationSpec) -> DestinationSpec:

@@ -84,6 +84,9 @@ class Leases(Reading):
             out += claimed
         return out
 
+    async def stop_reading(self, source: GroupPartition) -> None:
+        """Nothing to end: reads pull, and the next owner takes over what is pending."""
+
     @staticmethod
     def taken_over(cursors: dict[str, str]) -> bool:
         """Whether a :meth:`take_over` with ``cursors`` has gone through every pending entry."""

@@ -77,6 +77,16 @@ class RedisInbox:
                 self._broker = await self._connect()
             return self._broker
 
+    async def counter(self, name: str) -> int:
+        """A named counter of the namespace beside the inbox (``SideCounters``: the registry's version)."""
+        broker = await self._redis()
+        return int(await broker.redis.get(f"{self.namespace}:counter:{name}") or 0)
+
+    async def bump(self, name: str) -> int:
+        """Raise the named counter by one; its new value."""
+        broker = await self._redis()
+        return int(await broker.redis.incr(f"{self.namespace}:counter:{name}"))
+
     async def redis_broker(self) -> RedisBroker:
         """The Redis broker behind the inbox, connected on first use (the schedule beside it shares it)."""
         return await self._redis()

@@ -22,6 +22,7 @@ from framework.asyncapi.schema import SchemaBuilder, UnsupportedType
 from framework.handlers import Handler, Queue, Topic
 from framework.scheduling import Job
 from framework.service import Service
+from framework.subscriptions import is_pattern
 
 __all__ = ["ASYNCAPI_VERSION", "AsyncAPIError", "build_document"]
 
@@ -93,9 +94,9 @@ class _Document:
 
     def _handler(self, service: Service, handler: Handler, job: Job | None) -> None:
         dest = handler.destination
-        channel = self.channels.get(dest.name)
+        channel = self.channels.get(_channel_key(dest.name))
         if channel is None:
-            channel = self.channels[dest.name] = _channel(dest)
+            channel = self.channels[_channel_key(dest.name)] = _channel(dest)
         groups = channel.setdefault("x-framework-groups", [])
         if service.name not in groups:
             groups.append(service.name)
@@ -111,7 +112,7 @@ class _Document:
         for tp in dict.fromkeys(types):  # (a type met twice is one message)
             message_id = self._message(handler, tp)
             channel["messages"].setdefault(message_id, {"$ref": f"#/components/messages/{message_id}"})
-            refs.append({"$ref": f"#/channels/{_pointer(dest.name)}/messages/{_pointer(message_id)}"})
+            refs.append({"$ref": f"#/channels/{_pointer(_channel_key(dest.name))}/messages/{_pointer(message_id)}"})
         operation_id, n = _key(handler.label), 2
         while operation_id in self.operations:  # (two handlers whose names differ only in odd characters)
             operation_id, n = f"{_key(handler.label)}_{n}", n + 1
@@ -166,7 +167,22 @@ class _Document:
         return name
 
 
+def _channel_key(name: str) -> str:
+    """The ``channels`` key of a destination: its name; a topic pattern's wildcards spelled out."""
+    return name.replace("*", "_star_").replace("#", "_hash_") if is_pattern(name) else name
+
+
 def _channel(dest: Queue | Topic) -> dict[str, Any]:
+    if is_pattern(dest.name):  # a pattern subscription: the topics it matches keep their own layout
+        return {
+            "address": dest.name,
+            "title": dest.name,
+            "description": "Every topic whose name matches this pattern ('*' one dot-separated word, '#' zero or "
+            "more), existing or created later.",
+            "messages": {},
+            "x-framework-kind": "topic",
+            "x-framework-pattern": True,
+        }
     spec = dest.spec()
     if isinstance(dest, Topic):
         kind = "topic"
@@ -195,7 +211,7 @@ def _operation(service: Service, handler: Handler, messages: list[dict[str, str]
     policy = handler.retry
     operation: dict[str, Any] = {
         "action": "receive",
-        "channel": {"$ref": f"#/channels/{_pointer(dest.name)}"},
+        "channel": {"$ref": f"#/channels/{_pointer(_channel_key(dest.name))}"},
         "messages": messages,
         "title": handler.label,
     }
@@ -222,6 +238,8 @@ def _operation(service: Service, handler: Handler, messages: list[dict[str, str]
     )
     if isinstance(dest, Topic):
         operation["x-framework-start"] = handler.start
+    if handler.filter is not None:  # which of the channel's messages this handler takes
+        operation["x-framework-filter"] = repr(handler.filter)
     return operation
 
 

@@ -65,6 +65,7 @@ _COUNTERS = (  # ConsumerStats field -> instrument, description
     ("retried", "framework.messages.retried", "attempts retried (in place or through the retry path)"),
     ("dead_lettered", "framework.messages.dead_lettered", "messages moved to the dead-letter queue"),
     ("duplicates", "framework.messages.duplicates", "duplicate deliveries dropped (inbox)"),
+    ("unwanted", "framework.messages.unwanted", "events no handler's filter took (acknowledged, not run)"),
 )
 _COUNTER_FIELDS = tuple(field for field, _, _ in _COUNTERS)
 

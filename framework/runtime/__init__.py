@@ -29,8 +29,8 @@ import anyio
 import anyio.abc
 import attrs
 
-from broker import Broker, DestinationSpec, connect, redact
-from broker.capabilities import SCHEDULING, as_inbox, as_introspection
+from broker import Broker, DestinationSpec, GroupPartition, connect, redact
+from broker.capabilities import OWNERSHIP, SCHEDULING, as_inbox, as_introspection
 from framework._messages import Outgoing
 from framework.group_commit import GroupCommits
 from framework.lifespan import Lifespan
@@ -44,9 +44,10 @@ from framework.runtime.lanes import LanePool
 from framework.runtime.presence import Presence
 from framework.runtime.requirements import check_requirements
 from framework.runtime.scheduler import Scheduler
+from framework.runtime.subscribing import Subscriptions
 from framework.runtime.supervisor import is_connection_error
 from framework.runtime.wiring import Wiring
-from framework.service import HandlerError, Service
+from framework.service import Handler, HandlerError, Service
 from framework.settings import RuntimeSettings
 
 __all__ = ["Runtime"]
@@ -91,6 +92,8 @@ class Runtime:
         self._url = url
         self._namespace = namespace
         self.consumers: list[Consumer] = []
+        self._scopes = 0  # consumers built: each one's scope in the shared lanes
+        self._look_now = anyio.Event()  # refresh the pattern subscriptions now
         self.consumer_name = ""
         self._stop: anyio.Event | None = None
         self._stopping = False
@@ -112,8 +115,9 @@ class Runtime:
             self._stop.set()
         if self._broker is None:
             self._broker = await connect(self._url, namespace=self._namespace)
-        if getattr(self.broker, "exclusive_partitions", False) and self.settings.ownership != "off":
-            # the server keeps one reader per partition (RabbitMQ's single active consumer): no leases
+        exclusive = getattr(self.broker, "exclusive_partitions", False)
+        if exclusive and OWNERSHIP not in self.broker.capabilities and self.settings.ownership != "off":
+            # the server keeps one reader per partition (RabbitMQ's single active consumer) and no leases exist
             self.settings = attrs.evolve(self.settings, ownership="off")
         identity = ConsumerIdentity(self.broker.namespace, self.settings.consumer)
         self.consumer_name = identity.name
@@ -123,28 +127,9 @@ class Runtime:
             check_requirements(self.broker, self.services, self.settings)
             if any(h.inbox and not h.sql_inbox for s in self.services for h in s.handlers):
                 await as_inbox(self.broker).inbox_ready()  # a store beside the transport: reachable?
+            self.subscriptions = Subscriptions(self.broker, self.services, self._consumer)
             await self._check_orphan_subscriptions()
-            self.consumers = []
-            for service in self.services:
-                for handler in service.handlers:
-                    views = await self.broker.subscribe(handler.spec, service.name, handler.start)
-                    middleware = self.middleware + tuple(service.middleware_chain)
-                    observer = hooks.observer(handler) if hooks.ANY else None  # off: no cost
-                    if observer is not None and middleware:  # outermost: user middleware runs in its span
-                        middleware = (observer, *middleware)  # (without middleware: the direct path calls it)
-                    wiring = Wiring(
-                        broker=self.broker,
-                        settings=self.settings,
-                        consumer_name=self.consumer_name,
-                        lanes=self.lanes,
-                        publish=self.publish_outgoing,
-                        handler=handler,
-                        scope=len(self.consumers),
-                        middleware=middleware,
-                        thread_limiter=self.thread_limiter,
-                        observer=observer,
-                    )
-                    self.consumers.append(consumer_for(wiring, views))
+            self.consumers = await self.subscriptions.wire()
             log.info(
                 "runtime started",
                 services=[s.name for s in self.services],
@@ -178,6 +163,44 @@ class Runtime:
                     await self._broker.close()
                 self._broker = None
 
+    def _consumer(self, service: Service, handler: Handler, views: list[GroupPartition]) -> Consumer:
+        """The consumer of ``handler`` over ``views`` (none: a member of a group another consumer reads)."""
+        middleware = self.middleware + tuple(service.middleware_chain)
+        observer = hooks.observer(handler) if hooks.ANY else None  # off: no cost
+        if observer is not None and middleware:  # outermost: user middleware runs in its span
+            middleware = (observer, *middleware)  # (without middleware: the direct path calls it)
+        wiring = Wiring(
+            broker=self.broker,
+            settings=self.settings,
+            consumer_name=self.consumer_name,
+            lanes=self.lanes,
+            publish=self.publish_outgoing,
+            handler=handler,
+            scope=self._scopes,
+            middleware=middleware,
+            thread_limiter=self.thread_limiter,
+            observer=observer,
+        )
+        self._scopes += 1
+        return consumer_for(wiring, views)
+
+    async def _refresh_patterns(self, tg: anyio.abc.TaskGroup) -> None:
+        """Every ``pattern_refresh`` seconds: wire and start the topics created since that a pattern matches."""
+        while True:
+            with anyio.move_on_after(self.settings.pattern_refresh):
+                await self._look_now.wait()  # is_idle saw a new matching topic: wire it at once
+            self._look_now = anyio.Event()
+            try:
+                new = await self.subscriptions.wire()
+            except Exception as exc:  # the broker unreachable for a moment: look again next time
+                log.warning("could not refresh pattern subscriptions", error=f"{type(exc).__name__}: {exc}")
+                new = self.subscriptions.take()  # those wired before the failure
+            self.consumers += new
+            for consumer in new:
+                tg.start_soon(consumer.run)
+            if new and hooks.METRICS:
+                hooks.track_runtime(self)  # the new topics' consumers counted too
+
     async def _serve(self, engine: Any, task_status: anyio.abc.TaskStatus[Runtime]) -> None:
         """Run the lanes, consumers and relay until :meth:`stop`, then shut down gracefully."""
         assert self._stop is not None
@@ -199,12 +222,20 @@ class Runtime:
 
                 self.relay = OutboxRelay(engine, self.broker)
                 await tg.start(self.relay.run)
+            refresh = anyio.CancelScope()
+            if self.subscriptions.patterns:
+                tg.start_soon(self._refresh_in, refresh, tg)
             self.started = True
             task_status.started(self)
             await self._stop.wait()
+            refresh.cancel()  # no new topics while shutting down
             await self._shutdown()
             await presence.leave()
             tg.cancel_scope.cancel()
+
+    async def _refresh_in(self, scope: anyio.CancelScope, tg: anyio.abc.TaskGroup) -> None:
+        with scope:
+            await self._refresh_patterns(tg)
 
     async def _outbox_engine(self) -> Any:
         """The outbox database engine when an in-process relay was asked for (tables checked first)."""
@@ -227,10 +258,9 @@ class Runtime:
 
         Messages would pile up there unprocessed (and hold back topic trimming) without a word.
         """
-        handled = {(h.destination.name, s.name) for s in self.services for h in s.handlers}
-        names = {s.name for s in self.services}
+        services = {s.name: s for s in self.services}
         for destination, group in await self.broker.list_subscriptions():
-            if group in names and (destination, group) not in handled:
+            if group in services and not self.subscriptions.handles(services[group], destination):
                 raise HandlerError(
                     f"service {group!r} is subscribed to {destination!r} (from an earlier version) but has no "
                     f"handler for it now, so its messages would wait there forever. Add a handler, or drop the "
@@ -312,11 +342,20 @@ class Runtime:
         """Counters per handler (``service.handler`` -> counters)."""
         import attrs
 
-        return {c.handler.label: attrs.asdict(c.stats) for c in self.consumers}
+        out: dict[str, Any] = {}
+        for c in self.consumers:  # a pattern handler has a consumer per matching topic: summed
+            counts = attrs.asdict(c.stats)
+            mine = out.setdefault(c.handler.label, dict.fromkeys(counts, 0))
+            for name, value in counts.items():
+                mine[name] += value
+        return out
 
     async def is_idle(self, *, include_delayed: bool = True) -> bool:
         """True when nothing is in flight here and every group of ours has nothing left to deliver."""
         if self.lanes.busy or self.in_flight:
+            return False
+        if await self.subscriptions.unwired():  # a new topic for a pattern: its messages are ours too
+            self._look_now.set()
             return False
         inspect = as_introspection(self.broker)
         for consumer in self.consumers:
@@ -335,5 +374,5 @@ class Runtime:
                 await anyio.sleep(poll)
 
     def declared(self) -> list[DestinationSpec]:
-        """Specs of the destinations this runtime consumes."""
-        return [h.spec for s in self.services for h in s.handlers]
+        """Specs of the destinations this runtime consumes (once running: patterns resolved)."""
+        return [c.handler.spec for c in self.consumers if c.views]

@@ -1,6 +1,8 @@
 """Admit: decide what fetched deliveries become, and queue the runnable ones on the lanes.
 
-For each fetched batch (:meth:`Admission.admit`): hold every delivery in the ledger; dead-letter
+For each fetched batch (:meth:`Admission.admit`): hold every delivery in the ledger; when several
+handlers of the service share the group (or one has a filter), pick each delivery's handler from its
+type and headers before decoding and ack what none wants (:mod:`framework.runtime.dispatch`); dead-letter
 what cannot run (undecodable, an invalid payload, a failing key function: poison); drop duplicates
 through the inbox (:func:`framework.inbox.check_inbox`); decode payloads and sort the rest:
 keyed work to the lane its key hashes to, keyless work to any free lane, and redelivered work
@@ -21,6 +23,7 @@ from framework.inbox import check_inbox
 from framework.logs import debug_enabled
 from framework.observability import logcontext
 from framework.replies import deadline_passed
+from framework.runtime.dispatch import Routed, Routes
 from framework.runtime.lanes import Worker
 from framework.runtime.ledger import Ledger
 from framework.runtime.settle import Settlement
@@ -47,6 +50,7 @@ class Admission:
         self.debug = debug_enabled()  # a line per message received (and settled, see the settle stage)
         self.bodies = logcontext.body_logging() if self.debug else None  # field names to redact
         self.watching = self.observer is not None or self.debug
+        self.routes: Routes | None = None  # set by the consumer when handlers share this group
 
     async def admit(self, ledger: Ledger, deliveries: list[Delivery], channel: Any = None) -> None:
         """Hold fetched deliveries, settle the ones that cannot run, queue the rest on lanes.
@@ -71,13 +75,21 @@ class Admission:
         poison = [
             (d, poison_reason(handler, d, f"undecodable message: {d.error}")) for d in deliveries if d.envelope is None
         ]
+        routed = None
+        if self.routes is not None and runnable:  # before the inbox: what nobody wants is acked at once
+            runnable, routed = self.routes.pick_all(self, ledger, runnable, poison)
         if handler.inbox and runnable:
             checked = runnable
             runnable = await check_inbox(self.wiring, ledger, runnable, channel)
             if self.watching and len(runnable) < len(checked):
                 self._dropped_duplicates(ledger, checked, runnable)
-        if handler.prepare is not None and runnable:
-            await self._prepare(ledger, runnable, channel)
+        if routed is not None:  # each handler's read-ahead for the messages it takes
+            for route in {id(r): r for r in routed.values() if r.handler.prepare is not None}.values():
+                mine = [d for d in runnable if routed[id(d)] is route]
+                if mine:
+                    await self._prepare(ledger, mine, channel, route.handler.prepare)
+        elif handler.prepare is not None and runnable:
+            await self._prepare(ledger, runnable, channel, handler.prepare)
         expired: list[Delivery] = []
         for d in runnable:
             env = d.envelope
@@ -86,13 +98,18 @@ class Admission:
                 expired.append(d)
                 continue
             try:
-                payload = decode(env.body)
-                lane_key = key_fn(payload) if key_fn is not None else env.key
+                if routed is None:
+                    payload = decode(env.body)
+                    lane_key = key_fn(payload) if key_fn is not None else env.key
+                else:  # decoded by the handler its filter picked, which runs it (see Consumer.process)
+                    payload, lane_key = routed[id(d)].decode(env)
             except PayloadError as exc:
-                poison.append((d, poison_reason(handler, d, f"invalid payload: {exc}")))
+                owner = handler if routed is None else routed[id(d)].handler
+                poison.append((d, poison_reason(owner, d, f"invalid payload: {exc}")))
                 continue
             except Exception as exc:
-                poison.append((d, poison_reason(handler, d, f"key function failed: {type(exc).__name__}: {exc}")))
+                owner = handler if routed is None else routed[id(d)].handler
+                poison.append((d, poison_reason(owner, d, f"key function failed: {type(exc).__name__}: {exc}")))
                 continue
             if redelivered or d.delivery_count > 1:  # sorted below, once the redeliveries are counted
                 redelivered.append((d, payload, lane_key))
@@ -115,12 +132,11 @@ class Admission:
             await self.sort_redeliveries(ledger, redelivered, by_lane, keyless, isolated)
         (self.submit or lanes.submit)(self.worker, ledger, by_lane, keyless, isolated, scope)
 
-    async def _prepare(self, ledger: Ledger, runnable: list[Delivery], channel: Any) -> None:
+    async def _prepare(self, ledger: Ledger, runnable: list[Delivery], channel: Any, prepare: Any) -> None:
         """The handler's read-ahead for the batch (see ``Handler.prepare``): a failure is logged,
         never the batch's (its runs then read what they need themselves)."""
-        assert self.handler.prepare is not None
         try:
-            await self.handler.prepare(self.wiring.broker, runnable, ledger.fence, channel)
+            await prepare(self.wiring.broker, runnable, ledger.fence, channel)
         except Exception as exc:
             self.settle.log_unsettled("read-ahead failed; the runs read for themselves", exc, count=len(runnable))
 
@@ -148,10 +164,11 @@ class Admission:
         a bystander held through two crashes would otherwise reach the limit without ever
         having run alone.
         """
-        max_attempts = self.handler.retry.max_attempts
-        candidates = [d for d, _, _ in items if d.delivery_count > 1]
+        candidates = [
+            d for d, p, _ in items if d.delivery_count > 1 and _owner(self, p).handler.retry.max_attempts >= 3
+        ]
         first: dict[int, bool] = {}
-        if candidates and max_attempts >= 3:
+        if candidates:
             try:
                 flags = await self.wiring.broker.count_first_redeliveries(candidates)
             except Exception as exc:
@@ -168,8 +185,9 @@ class Admission:
                 if first.get(id(d), False):  # its first redelivered run, counted just now
                     assert d.envelope is not None
                     attempt = d.envelope.attempt + 1
-                    if attempt > max_attempts:
-                        await self._dead_letter(ledger, d, self._crash_loop_reason(d, attempt))
+                    owner = _owner(self, payload)  # the handler that runs it (a shared group's member)
+                    if attempt > owner.handler.retry.max_attempts:
+                        await owner._dead_letter(ledger, d, owner._crash_loop_reason(d, attempt))
                         continue
                     d.delivery_count = 2  # so d.attempt is this run's attempt number
                 else:
@@ -274,3 +292,8 @@ class Admission:
             "the worker holding it crashed or stalled past the visibility timeout each time",
             attempts=attempt - 1,
         )
+
+
+def _owner(admission: Admission, payload: Any) -> Admission:
+    """The admit stage of the handler that runs a work: a routed work's member's, else ``admission``."""
+    return payload.member.admission if type(payload) is Routed else admission

@@ -17,6 +17,7 @@ under a fresh ledger) from acquiring the lease to losing or handing it back.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from framework.logs import get_logger
 from framework.observability import logcontext
 from framework.runtime.admit import Admission, Work
 from framework.runtime.attempt import Attempts
+from framework.runtime.dispatch import Routed, Routes
 from framework.runtime.fetch import Fetcher
 from framework.runtime.lanes import Batch
 from framework.runtime.ledger import ConsumerStats, Ledger, Slot
@@ -66,6 +68,13 @@ class Consumer:
         self._fetch_scopes: list[anyio.CancelScope] = []
         self._fetching = True
         self._log = wiring.log
+        self.members: list[Consumer] = []  # handlers sharing this group (see route), this one first
+
+    def route(self, members: Sequence[Consumer]) -> None:
+        """Share this consumer's group with ``members`` (this one among them): it reads, each
+        member runs the messages its filter takes (see :mod:`framework.runtime.dispatch`)."""
+        self.members = list(members)
+        self.admission.routes = Routes(self.members)
 
     # -- actor tree ------------------------------------------------------------------------------
 
@@ -74,6 +83,8 @@ class Consumer:
         settings = self.wiring.settings
         upkeep = self.upkeep
         label = self.handler.label
+        if not self.views:  # a member of a shared group: the lead reads and looks after its partitions
+            return
         async with anyio.create_task_group() as tg:
             if self.ownership is None:
                 for ledger in self.states.values():
@@ -81,16 +92,17 @@ class Consumer:
             else:
                 tg.start_soon(supervise, f"{label}.ownership", self.ownership.run)
             tg.start_soon(supervise, f"{label}.trim", every, settings.trim_interval, upkeep.trim, self._all)
-            timeout = self.handler.timeout
-            interval = _STRAGGLERS if timeout is None else min(_STRAGGLERS, timeout / 4)
-            watch = functools.partial(self._watch, interval)
+            timeouts = [m.handler.timeout for m in self.members or [self] if m.handler.timeout is not None]
+            interval = _STRAGGLERS if not timeouts else min(_STRAGGLERS, min(timeouts) / 4)
+            watch = functools.partial(self._watch, interval, bool(timeouts))
             tg.start_soon(supervise, f"{label}.watchdog", every_local, interval, watch)
 
-    async def _watch(self, interval: float) -> None:
-        """The watchdog's pass: cancel runs past their timeout, then settle runs a lane finished that wait
-        behind a long run (it cannot settle them until that run ends) for ``interval`` or more."""
+    async def _watch(self, interval: float, timeouts: bool) -> None:
+        """The watchdog's pass: cancel runs past their timeout (``timeouts``: some handler here has one),
+        then settle runs a lane finished that wait behind a long run (it cannot settle them until that
+        run ends) for ``interval`` or more."""
         ledgers = list(self.states.values())
-        if self.handler.timeout is not None:
+        if timeouts:
             await self.upkeep.watch(ledgers)
         now = time.monotonic()
         for ledger in ledgers:
@@ -194,6 +206,7 @@ class Consumer:
         works = batch.works
         done = Finished()
         slot = Slot()
+        slot.timeout = self.handler.timeout or math.inf  # the watchdog may be another handler's (shared group)
         slot.flush = functools.partial(self._settle_now, ledger, done)
         slot.pending = done
         ledger.slots.add(slot)
@@ -206,9 +219,10 @@ class Consumer:
                     slot.scope = scope
                     more = await self._process_from(ledger, batch, slot, done)
                 if scope.cancelled_caught:
-                    d = works[slot.index][0]
+                    d, payload = works[slot.index]
                     if slot.delivery is d and d is not None:  # the watchdog cut its handler short
-                        await self.attempts.timed_out(ledger, d, slot)
+                        runner = payload.member if type(payload) is Routed else self
+                        await runner.attempts.timed_out(ledger, d, slot)
                     else:  # a handler swallowed the cancellation, which then hit its settling: unknown state
                         ledger.forget([d])  # pending: redelivered after the visibility timeout
                     more = True
@@ -263,18 +277,36 @@ class Consumer:
             batch.next = index + 1  # taken: no other lane runs it
             d, payload = works[index]
             slot.index = index
-            if suspect:
+            runner = self
+            if type(payload) is Routed:  # a shared group's work: run by the handler its filter picked
+                runner = payload.member
+                ctx = await self._run_routed(runner, ledger, d, payload.payload, slot, suspect)
+            elif suspect:
                 ctx = await self._run_suspect(ledger, d, payload, slot)
             else:
                 ctx = await run(ledger, d, payload, d.attempt, slot)
             ended = clock()
             if ctx is not None and ctx is not SETTLED:
-                done.add(d, ctx, ended)
+                done.add(d, ctx, ended, None if runner is self else runner.stats)
                 # Settle now when finished runs waited long enough, or when this run was slow: the
                 # next one likely is too, and a finished message must not wait for it.
                 if ended - done.since >= interval or ended - began >= interval:
                     return True
             began = ended
+
+    async def _run_routed(
+        self, runner: Consumer, ledger: Ledger, d: Any, payload: Any, slot: Slot, suspect: bool
+    ) -> Any:
+        """Run a shared group's work with the stages of ``runner``, the member its filter picked: its
+        attempt, retry policy, timeout and log context (the lead's ledger and lanes)."""
+        slot.timeout = runner.handler.timeout or math.inf
+        token = logcontext.enter(slot, runner.handler)
+        try:
+            if suspect:
+                return await runner._run_suspect(ledger, d, payload, slot)
+            return await runner.attempts.run(ledger, d, payload, d.attempt, slot)
+        finally:
+            logcontext.leave(token)
 
     async def _run_suspect(self, ledger: Ledger, d: Any, payload: Any, slot: Slot) -> Any:
         """Run a suspect (see :meth:`Admission.sort_redeliveries`): counted first, settled at once.

@@ -45,6 +45,7 @@ class ConsumerStats:
     retried: int = 0
     dead_lettered: int = 0
     duplicates: int = 0
+    unwanted: int = 0  # events no handler of the service wanted (filters): acknowledged, never run
     expired: int = 0  # requests whose deadline passed before their handler started: acked unrun
     handler_seconds: float = 0.0
 
@@ -69,6 +70,7 @@ class Slot:
         "scope",
         "seen_at",
         "seen_run",
+        "timeout",
         "watch",
     )
 
@@ -79,6 +81,7 @@ class Slot:
         self.runs = 0  # handler runs started in this slot
         self.seen_run = -1
         self.seen_at = 0.0
+        self.timeout: float | None = None  # of the handler this lane runs (the watchdog reads it)
         self.scope: anyio.CancelScope | None = None
         self.watch: Any = None  # the observer's watch of a run cut short, until its timeout is settled
         self.observed: Any = None  # tracing or metrics: the observer's watch this lane reuses

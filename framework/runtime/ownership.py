@@ -296,6 +296,12 @@ class Ownership:
             except Exception as exc:
                 if not is_connection_error(exc):
                     raise
+        with anyio.move_on_after(2, shield=True):
+            try:  # after the acks: a transport pushing the partition to this process stops (its next owner gets it)
+                await self.leases.stop_reading(self.views[p])
+            except Exception as exc:
+                if not is_connection_error(exc):
+                    raise
 
     async def release(self, p: int) -> None:
         """Hand partition ``p`` back: stop fetching, let running handlers finish, flush acks, free the lease."""

@@ -27,7 +27,7 @@ def requirements(services: Sequence[Service], settings: RuntimeSettings) -> list
             who = f"{h.service}.{h.name}"
             if h.inbox and not h.sql_inbox:
                 needs.append((who, INBOX, "the inbox drops duplicates (inbox=False turns it off)"))
-            if settings.owns_partitions(h.spec.partitions):
+            if h.pattern is None and settings.owns_partitions(h.spec.partitions):  # (a pattern: per topic)
                 why = f"{h.spec.partitions} partitions are each owned by one instance to keep order per key"
                 needs.append((who, OWNERSHIP, why))
             needs += [(who, name, why) for name, why in sorted(getattr(h, "needs", {}).items())]

@@ -48,9 +48,10 @@ SETTLED: Any = object()  # an attempt whose message is settled already (effects 
 class Finished:
     """Runs that finished in a lane and wait to be settled: published, then acknowledged."""
 
-    __slots__ = ("deliveries", "duplicate_ids", "duplicates", "outgoing", "publishing", "replies", "since")
+    __slots__ = ("credits", "deliveries", "duplicate_ids", "duplicates", "outgoing", "publishing", "replies", "since")
 
     def __init__(self) -> None:
+        self.credits: list[Any] = []  # counters of other handlers of a shared group, one per success of theirs
         self.deliveries: list[Delivery] = []
         self.outgoing: list[Any] = []
         self.replies: list[Envelope] = []  # replies to requests: sent after the outgoing messages, before the acks
@@ -61,8 +62,9 @@ class Finished:
         # (settling runs a long next run holds back) both settle them, one after the other, in order
         self.publishing: anyio.Event | None = None
 
-    def add(self, d: Delivery, ctx: Context, now: float) -> None:
-        """Record a successful run finished at ``now`` (monotonic)."""
+    def add(self, d: Delivery, ctx: Context, now: float, stats: Any = None) -> None:
+        """Record a successful run finished at ``now`` (monotonic); ``stats``: the counters of the
+        handler that ran it, when not the settling consumer's (a shared group's member)."""
         if not self.deliveries:
             self.since = now
         self.deliveries.append(d)
@@ -73,6 +75,8 @@ class Finished:
         if ctx.duplicate:
             self.duplicates += 1
             self.duplicate_ids.append(id(d))
+        elif stats is not None:
+            self.credits.append(stats)
 
 
 class Settlement:
@@ -107,12 +111,14 @@ class Settlement:
         if not done.deliveries:
             return
         deliveries, outgoing, duplicates = done.deliveries, done.outgoing, done.duplicates
-        duplicate_ids, replies = done.duplicate_ids, done.replies
+        duplicate_ids, replies, credits = done.duplicate_ids, done.replies, done.credits
         done.deliveries, done.outgoing, done.duplicates = [], [], 0
         if duplicate_ids:
             done.duplicate_ids = []
         if replies:
             done.replies = []
+        if credits:
+            done.credits = []
         if outgoing or replies:
             done.publishing = publishing = anyio.Event()
             try:
@@ -130,7 +136,9 @@ class Settlement:
             finally:
                 done.publishing = None
                 publishing.set()
-        self.stats.processed += len(deliveries) - duplicates
+        for stats in credits:  # successes of other handlers sharing the group: counted as theirs
+            stats.processed += 1
+        self.stats.processed += len(deliveries) - duplicates - len(credits)
         ledger.queue_acks(deliveries)  # processed: room to fetch more while the ack is on its way
         if self.debug:
             for d in deliveries:

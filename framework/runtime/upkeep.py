@@ -180,12 +180,13 @@ class Upkeep:
         A run is timed from when the watchdog first sees it, so it is cancelled between
         ``timeout`` and ``timeout`` plus two watchdog intervals after it started.
         """
-        timeout = self.wiring.handler.timeout or math.inf  # the watchdog runs only for handlers with a timeout
+        default = self.wiring.handler.timeout or math.inf  # the watchdog runs only for handlers with a timeout
         now = time.monotonic()
         for ledger in ledgers:
             for slot in ledger.slots:
                 if slot.delivery is None or slot.scope is None:
                     continue
+                timeout = default if slot.timeout is None else slot.timeout  # handlers sharing the group
                 if slot.seen_run != slot.runs:
                     slot.seen_run, slot.seen_at = slot.runs, now
                 elif now - slot.seen_at >= timeout:
