@@ -29,7 +29,7 @@ import attrs
 import orjson
 from rich.console import Console
 
-from benchmarks import machine, procs
+from benchmarks import dashboard_bench, machine, procs
 from benchmarks.rows import _table
 from benchmarks.runner import FULL, QUICK, Runner, Sizes, progress
 
@@ -134,9 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["sql-breakdown"]:
         return _breakdown(argv[1:])
     if "dashboard" in argv:  # its own runner: the DLQ page with 100,000 dead letters (benchmarks/dashboard_bench.py)
-        from benchmarks.dashboard_bench import main as dashboard_main
-
-        return dashboard_main(argv)
+        return dashboard_bench.main(argv)
     args = _parse(argv)
     sizes = QUICK if args.quick else FULL
     repeats = args.repeats or (1 if args.quick else 3)

@@ -59,7 +59,6 @@ def run_dashboard_bench(url: str | None, count: int = 100_000, loads: int = 5) -
     import uuid
 
     from framework.dashboard import create_app
-    from tests.dashboard_support import Served
 
     namespace = f"bench-dash-{uuid.uuid4().hex[:8]}"
     anyio.run(_fill, url, namespace, count)
@@ -99,6 +98,33 @@ def run_dashboard_bench(url: str | None, count: int = 100_000, loads: int = 5) -
             f"ttfb {row['ttfb_ms']:8.1f} ms  page {row['bytes'] / 1024:7.1f} KiB"
         )
     return rows
+
+
+class Served:
+    """The app served by uvicorn on a free loopback port, in a thread, until :meth:`close`."""
+
+    def __init__(self, app: Any) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the dashboard did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
 
 
 def _next_link(page: str) -> str:
