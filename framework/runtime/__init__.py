@@ -206,7 +206,10 @@ class Runtime:
         assert self._stop is not None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.lanes.run)
-            groups = [(c.handler.destination.name, c.handler.service) for c in self.consumers]
+
+            def groups() -> list[tuple[str, str]]:  # (pattern subscriptions add consumers while running)
+                return [(v.spec.name, v.group) for c in self.consumers for v in c.views[:1]]
+
             presence = Presence(
                 self.broker, self.consumer_name, groups, self.settings.lease_ttl, [s.name for s in self.services]
             )

@@ -11,13 +11,12 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
 
 import anyio
 
 from broker import Broker
-from broker.operators import WORKERS, WorkerRegistry
+from broker.operators import WORKERS, as_workers
 from framework.logs import get_logger
 from framework.runtime.supervisor import is_connection_error
 
@@ -30,11 +29,18 @@ class Presence:
     """Beats this process's heartbeat until cancelled; :meth:`leave` on a graceful stop."""
 
     def __init__(
-        self, broker: Broker, name: str, groups: Sequence[tuple[str, str]], ttl: float, services: Sequence[str]
+        self,
+        broker: Broker,
+        name: str,
+        groups: Callable[[], Sequence[tuple[str, str]]],
+        ttl: float,
+        services: Sequence[str],
     ) -> None:
-        self.registry = cast("WorkerRegistry", broker) if WORKERS in broker.capabilities else None
+        """``groups`` says, at each beat, the (destination, group) pairs consumed (pattern
+        subscriptions add topics while the worker runs)."""
+        self.registry = as_workers(broker) if WORKERS in broker.capabilities else None
         self.name = name
-        self.groups = sorted(set(groups))
+        self.groups = groups
         self.ttl_ms = int(ttl * 1000)
         self.interval = ttl / 3
         self.info = {
@@ -50,7 +56,7 @@ class Presence:
             return
         while True:
             try:
-                await self.registry.beat_worker(self.name, self.groups, self.ttl_ms, self.info)
+                await self.registry.beat_worker(self.name, sorted(set(self.groups())), self.ttl_ms, self.info)
             except Exception as exc:
                 if not is_connection_error(exc):
                     raise
