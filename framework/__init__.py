@@ -33,6 +33,7 @@ passed in, typed by a small Protocol of its own (``_sql_block.SqlRun`` for the c
 """
 
 from broker import BrokerUnavailable, ConfigurationError, Envelope, MessageTooLarge
+from framework._destinations import UnknownDestination
 from framework._payloads import PayloadError, converter
 from framework.batch_context import BatchContext
 from framework.batching import BatchAborted, BatchFailed, BatchPolicy
@@ -74,6 +75,7 @@ __all__ = [
     "Client",
     "SyncClient",
     "Batch",
+    "UnknownDestination",
     # request/reply: client.request(...) / ctx.request(...)
     "RequestError",
     "RequestTimeout",

@@ -1,0 +1,36 @@
+"""Near matches for a mistyped name: the one "did you mean" of the client and every CLI command.
+
+A near match is a known name similar enough to be a typo of the given one (``difflib`` ratio of at
+least :data:`CUTOFF`: a transposed, dropped or doubled letter in a dotted name, not a sibling such as
+``orders.paid`` for ``orders.placed``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = ["CUTOFF", "did_you_mean", "listed", "near_match"]
+
+CUTOFF = 0.85
+
+
+def near_match(name: str, known: Iterable[str], *, cutoff: float = CUTOFF) -> str | None:
+    """The known name closest to ``name`` when it is close enough to be a typo of it, else None."""
+    names = [k for k in known if k != name]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def did_you_mean(name: str, known: Iterable[str], *, cutoff: float = 0.6) -> str:
+    """`` (did you mean 'x'?)`` for the closest known name, or "" (the looser CLI cutoff: a hint only)."""
+    close = near_match(name, known, cutoff=cutoff)
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+def listed(names: list[str], limit: int = 20) -> str:
+    """``a, b, c and 3 more``, or ``none``."""
+    if not names:
+        return "none"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
