@@ -101,7 +101,7 @@ async def _peek(broker: Broker, args: argparse.Namespace) -> list[dict[str, Any]
     partitions = [args.partition] if args.partition is not None else list(range(spec.partitions))
     rows: list[tuple[tuple[int, int], int, str, dict[bytes, bytes]]] = []
     for p in partitions:
-        for entry_id, fields in await log.read_entries(spec, p, args.start, args.limit):
+        for entry_id, fields in await log.read_entries(spec, p, args.start or "-", args.limit):
             rows.append((_order(entry_id), p, entry_id, fields))
     rows.sort(key=lambda r: r[0])
     return [_row(p, entry_id, fields, spec.name, spec.kind) for _, p, entry_id, fields in rows[: args.limit]]
@@ -125,7 +125,7 @@ def peek(args: argparse.Namespace) -> int:
         print_json(rows)
         return 0
     if not rows:
-        print(f"no messages stored in {args.destination!r}" + (" from there" if args.start != "-" else ""))
+        print(f"no messages stored in {args.destination!r}" + (" from there" if args.start else ""))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -151,7 +151,7 @@ def register(sub: Any) -> None:
         "--from",
         dest="start",
         type=start_id,
-        default="-",
+        default=None,
         metavar="ID|TIME",
         help="from this entry id, time (ISO 8601, UTC by default) or duration ago (10m); default: the oldest",
     )
