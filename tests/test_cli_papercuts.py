@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from broker.redis import RedisBroker
 from tests.conftest import run_cli
+from tests.workers import Workers, wait_for
 
 
 def _ok(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -182,3 +184,56 @@ def test_server_status_json_and_start_on_a_port(tmp_path: Path) -> None:
     deadline = time.monotonic() + 10
     while run_cli("server", "status", env=env).returncode != 3 and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def test_a_processed_message_logs_a_debug_line(workers: Workers, worker_env: dict[str, str]) -> None:
+    workers.start("faultapp:worker", "dbg", "--log-level", "debug")
+    wait_for(lambda: "acquired partitions" in workers.log("dbg"), 30, "the worker to start")
+    message_id = _ok("send", "jobs", '{"n": "d-1"}', env=worker_env).stdout.strip()
+
+    def settled() -> list[dict[str, object]]:
+        lines = [json.loads(x) for x in workers.log("dbg").splitlines() if x.startswith("{")]
+        return [x for x in lines if x.get("event") == "message settled" and x.get("message_id") == message_id]
+
+    wait_for(settled, 30, "the debug line of the processed message")
+    [line] = settled()
+    assert line["level"] == "debug" and line["outcome"] == "success" and line["handler"] == "job"
+    workers.start("faultapp:worker", "quiet")  # at the default level (info): no line per message
+    wait_for(
+        lambda: "acquired partitions" in workers.log("quiet") or "runtime started" in workers.log("quiet"), 30, "start"
+    )
+    assert "message settled" not in workers.log("quiet")
+
+
+# -- the client: typos in destination names ------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_client_refuses_a_typo_of_a_declared_name_and_creates_on_purpose(broker: RedisBroker) -> None:
+    from framework import Client, Queue, UnknownDestination
+
+    await broker.declare(Queue("refunds.issue").spec())
+    async with Client(broker=broker) as client:
+        with pytest.raises(UnknownDestination) as caught:
+            await client.send("refunds.isue", {"order_id": "o-1"})
+        assert "unknown queue 'refunds.isue' (did you mean 'refunds.issue'?)" in str(caught.value)
+        assert "create=True" in str(caught.value)
+        with pytest.raises(UnknownDestination):
+            await client.publish("refunds.issues", {"x": 1})  # a topic named like the queue: a typo too
+        with pytest.raises(UnknownDestination):
+            async with client.batch() as batch:
+                batch.send("refunds.issue", {"ok": 1})
+                batch.send("refunds.isue", {"typo": 1})
+        assert await broker.get_destination("refunds.isue") is None  # nothing created
+        assert await client.send("refunds.issue", {"order_id": "o-1"})  # the declared name: fine
+        assert await client.send("refunds.isue", {"order_id": "o-1"}, create=True)  # on purpose
+        assert await broker.get_destination("refunds.isue") is not None
+        assert await client.send("refunds.isue", {"again": 1})  # declared now
+        # no near match: created, with one warning saying nobody consumes it yet
+        with structlog.testing.capture_logs() as logs:
+            await client.publish("audit.trail", {"n": 1})
+            await client.publish("audit.trail", {"n": 2})
+        warned = [e for e in logs if "audit.trail" in e["event"]]
+        assert len(warned) == 1 and warned[0]["log_level"] == "warning" and "nothing consumes it" in warned[0]["event"]
+        assert await client.send(Queue("refunds.issu"), {"n": 1})  # a Queue object creates on purpose
+        assert await client.send("refunds.issue2", {"n": 1})  # numbered siblings are not typos: created
