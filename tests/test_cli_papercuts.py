@@ -236,4 +236,4 @@ async def test_client_refuses_a_typo_of_a_declared_name_and_creates_on_purpose(b
         warned = [e for e in logs if "audit.trail" in e["event"]]
         assert len(warned) == 1 and warned[0]["log_level"] == "warning" and "nothing consumes it" in warned[0]["event"]
         assert await client.send(Queue("refunds.issu"), {"n": 1})  # a Queue object creates on purpose
-        assert await client.send("refunds.issue2", {"n": 1})  # numbered siblings are not typos: created
+        assert await client.publish("audit.trail2", {"n": 1})  # numbered siblings are not typos: created
