@@ -166,7 +166,7 @@ def _free_port() -> int:
 
 def test_server_status_json_and_start_on_a_port(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BROKER_URL")}
-    env["FRAMEWORK_HOME"] = str(tmp_path)
+    env.update(FRAMEWORK_HOME=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     stopped = run_cli("server", "status", "--json", env=env)
     assert stopped.returncode == 3 and json.loads(stopped.stdout)["running"] is False
     port, other = _free_port(), _free_port()
@@ -237,3 +237,65 @@ async def test_client_refuses_a_typo_of_a_declared_name_and_creates_on_purpose(b
         assert len(warned) == 1 and warned[0]["log_level"] == "warning" and "nothing consumes it" in warned[0]["event"]
         assert await client.send(Queue("refunds.issu"), {"n": 1})  # a Queue object creates on purpose
         assert await client.publish("audit.trail2", {"n": 1})  # numbered siblings are not typos: created
+
+
+# -- the README's Quick start, as written -------------------------------------------------------------
+
+
+def test_the_quick_start_shows_what_the_handler_wrote_once(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1]
+    (tmp_path / "shop.py").write_text(quick.split("```python\n", 1)[1].split("```", 1)[0])
+    commands = [line.split("  #")[0].strip() for line in quick.split("```sh\n", 1)[1].split("```", 1)[0].splitlines()]
+    assert commands[0] == "framework run shop:billing &" and commands[-2] == "framework peek payments.captured"
+    # its own embedded Valkey: the example writes "revenue" outside any namespace
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BROKER_URL", "FRAMEWORK_NAMESPACE")}
+    root = str(Path(__file__).resolve().parents[1])
+    env.update(FRAMEWORK_HOME=str(tmp_path / ".framework"), FRAMEWORK_LOG_FORMAT="json", PYTHONPATH=root)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "framework", *commands[0].split()[1:-1]],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "worker.log", "wb"),  # noqa: SIM115 - closed with the process
+    )
+    try:
+        wait_for(lambda: "runtime started" in (tmp_path / "worker.log").read_text(), 60, "the billing service")
+        import shlex
+
+        for line in commands[1:3]:  # the two publishes of one message id
+            out = subprocess.run(
+                [sys.executable, "-m", "framework", *shlex.split(line)[1:]],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            assert out.returncode == 0, (line, out.stderr)
+
+        def captured() -> list[dict[str, object]]:
+            out = subprocess.run(
+                [sys.executable, "-m", "framework", "peek", "payments.captured", "--json"],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            return json.loads(out.stdout) if out.returncode == 0 else []
+
+        wait_for(captured, 30, "the handler's event")
+        time.sleep(1.0)  # the copy has been delivered too by now: still one event
+        events = captured()
+        assert [json.loads(e["body"]) for e in events] == [{"order_id": "o-1"}]
+        table = subprocess.run(
+            [sys.executable, "-m", "framework", "peek", "payments.captured"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert "o-1" in table.stdout and "1 message(s)" in table.stdout
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+        subprocess.run([sys.executable, "-m", "framework", "server", "stop"], env=env, capture_output=True)
