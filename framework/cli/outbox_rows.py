@@ -18,9 +18,17 @@ import anyio
 
 from framework.cli.args import positive_int
 from framework.cli.common import UsageError, connection_options, print_json
-from framework.cli.outbox_db import checked, database_option, engine_of, guarded, logging_options
+from framework.cli.outbox_db import checked, database_option, engine_of, guarded, logging_options, sql_modules
 
 __all__ = ["register"]
+
+
+def _refusals() -> Any:
+    """:mod:`framework.outbox.refusals`, or one line naming the SQL extra when it is not installed."""
+    sql_modules()
+    from framework.outbox import refusals
+
+    return refusals
 
 
 def _with_engine(args: argparse.Namespace, fn: Callable[[Any], Awaitable[Any]]) -> Any:
@@ -50,9 +58,8 @@ def _view(row: Any) -> dict[str, Any]:
 @guarded
 def list_command(args: argparse.Namespace) -> int:
     """Print the refused rows, oldest first."""
-    from framework.outbox.refusals import refused_rows
-
-    rows, total = _with_engine(args, lambda e: refused_rows(e, limit=args.limit))
+    refusals = _refusals()
+    rows, total = _with_engine(args, lambda e: refusals.refused_rows(e, limit=args.limit))
     if args.json:
         print_json([_view(r) for r in rows])
         return 0
@@ -74,9 +81,8 @@ def list_command(args: argparse.Namespace) -> int:
 @guarded
 def show_command(args: argparse.Namespace) -> int:
     """Print one outbox row (refused or waiting): destination, headers, body, error."""
-    from framework.outbox.refusals import get_row
-
-    row = _with_engine(args, lambda e: get_row(e, args.message_id))
+    refusals = _refusals()
+    row = _with_engine(args, lambda e: refusals.get_row(e, args.message_id))
     if row is None:
         raise UsageError(f"no outbox message {args.message_id!r} (sent ones leave the outbox; see outbox status)")
     data = _view(row)
@@ -100,13 +106,13 @@ def _ids(args: argparse.Namespace, verb: str) -> list[str] | None:
 def retry_command(args: argparse.Namespace) -> int:
     """Put refused messages back in line once the cause is fixed; those refused again stay set aside."""
     ids = _ids(args, "retry")
+    refusals = _refusals()
     from broker import connect
-    from framework.outbox.refusals import retry
 
     async def go(engine: Any) -> Any:
         broker = await connect(args.redis_url, namespace=args.namespace)
         try:
-            return await retry(engine, broker, ids)
+            return await refusals.retry(engine, broker, ids)
         finally:
             await broker.close()
 
@@ -127,16 +133,15 @@ def retry_command(args: argparse.Namespace) -> int:
 def discard_command(args: argparse.Namespace) -> int:
     """Delete refused messages for good, after confirmation."""
     ids = _ids(args, "discard")
-    from framework.outbox.refusals import discard, refused_rows
-
+    refusals = _refusals()
     if not args.yes:
-        count = len(ids) if ids else _with_engine(args, lambda e: refused_rows(e, limit=1))[1]
+        count = len(ids) if ids else _with_engine(args, lambda e: refusals.refused_rows(e, limit=1))[1]
         if not sys.stdin.isatty():
             raise UsageError(f"refusing to discard {count} refused message(s) without confirmation: pass --yes")
         if input(f"Delete {count} refused outbox message(s) for good? [y/N] ").strip().lower() not in ("y", "yes"):
             print("nothing discarded")
             return 1
-    print(f"discarded {_with_engine(args, lambda e: discard(e, ids))} refused message(s)")
+    print(f"discarded {_with_engine(args, lambda e: refusals.discard(e, ids))} refused message(s)")
     return 0
 
 
