@@ -33,7 +33,7 @@ passed in, typed by a small Protocol of its own (``_sql_block.SqlRun`` for the c
 """
 
 from broker import BrokerUnavailable, ConfigurationError, Envelope, MessageTooLarge
-from framework._destinations import UnknownDestination
+from framework._destinations import NewDestinationWarning, UnknownDestination
 from framework._payloads import PayloadError, converter
 from framework.batch_context import BatchContext
 from framework.batching import BatchAborted, BatchFailed, BatchPolicy
@@ -76,6 +76,7 @@ __all__ = [
     "SyncClient",
     "Batch",
     "UnknownDestination",
+    "NewDestinationWarning",
     # request/reply: client.request(...) / ctx.request(...)
     "RequestError",
     "RequestTimeout",

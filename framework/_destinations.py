@@ -6,7 +6,8 @@ first use. When nobody declared that name yet:
 * a declared destination whose name is a near match (:func:`framework._near.near_match`) means a
   typo: :class:`UnknownDestination` is raised, naming it, and nothing is stored or declared;
 * no near match: the destination is created (a new topic before its first subscriber is normal),
-  with one warning per client and name saying nobody consumes it yet.
+  with a :class:`NewDestinationWarning` (Python's ``warnings``: on stderr, once per name and
+  process, never on stdout; ``warnings.filterwarnings`` silences it) saying nobody consumes it yet.
 
 ``create=True`` (or a :class:`~framework.Queue`/:class:`~framework.Topic` object) creates on
 purpose, without the check. A name checked once is not checked again by the same client.
@@ -14,17 +15,19 @@ purpose, without the check. A name checked once is not checked again by the same
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Collection, Iterable
 
 from broker import Broker, ConfigurationError
 from broker.errors import transport_errors
 from framework._messages import Outgoing
 from framework._near import near_match
-from framework.logs import get_logger
 
-__all__ = ["DestinationGuard", "UnknownDestination"]
+__all__ = ["DestinationGuard", "NewDestinationWarning", "UnknownDestination"]
 
-log = get_logger("framework.client")
+
+class NewDestinationWarning(UserWarning):
+    """A send or publish created a destination nobody declared (and no near name exists)."""
 
 
 class UnknownDestination(ConfigurationError):
@@ -67,8 +70,9 @@ class DestinationGuard:
         near = near_match(name, known)
         if near is not None:
             raise UnknownDestination(name, noun, near)
-        log.warning(
+        warnings.warn(
             f"creating {noun} {name!r} on first use: nothing consumes it until a service subscribes "
             "(pass create=True to say it is on purpose)",
-            destination=name,
+            NewDestinationWarning,
+            stacklevel=2,
         )
