@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import redis
 
 from broker.redis import RedisBroker
 from tests.conftest import run_cli
@@ -302,3 +303,24 @@ def test_the_quick_start_shows_what_the_handler_wrote_once(tmp_path: Path) -> No
         worker.terminate()
         worker.wait(timeout=30)
         subprocess.run([sys.executable, "-m", "framework", "server", "stop"], env=env, capture_output=True)
+
+
+@pytest.mark.anyio
+async def test_dlq_show_redacts_secret_fields_as_peek_does(
+    broker: RedisBroker, worker_env: dict[str, str], redis_url: str, namespace: str
+) -> None:
+    from broker import DestinationSpec
+
+    await broker.subscribe(DestinationSpec(name="redact.q", kind="command"), "g1")
+    r = redis.Redis.from_url(redis_url)
+    body = json.dumps({"order_id": "o-9", "card_number": "4111", "auth": {"token": "t0k"}})
+    r.xadd(f"{namespace}:{{redact.q:0}}:g:g1:dlq", {"id": "dead-1", "type": "t", "body": body, "dlq-reason": "test"})
+    r.close()
+    shown = json.loads(_ok("dlq", "show", "dead-1", "--json", env=worker_env).stdout)
+    assert json.loads(shown["body"]) == {
+        "order_id": "o-9",
+        "card_number": "[redacted]",
+        "auth": {"token": "[redacted]"},
+    }
+    text = _ok("dlq", "show", "dead-1", env=worker_env).stdout
+    assert "4111" not in text and "t0k" not in text and "o-9" in text
