@@ -10,8 +10,10 @@ early (``| head``) ends quietly with status 141, as a command stopped by SIGPIPE
 One module per command group, named for it: :mod:`~framework.cli.run`, :mod:`~framework.cli.status`,
 :mod:`~framework.cli.produce` (send, publish), :mod:`~framework.cli.peek`, :mod:`~framework.cli.server`,
 :mod:`~framework.cli.dead_letters` (dlq), :mod:`~framework.cli.destinations` (unsubscribe, delete),
-:mod:`~framework.cli.outbox` and :mod:`~framework.cli.schedule`; :mod:`~framework.cli.common` holds
-what they share. Those modules are internal: the public names are :func:`main` and :func:`build_parser`.
+:mod:`~framework.cli.outbox` (with :mod:`~framework.cli.outbox_rows` for refused rows) and
+:mod:`~framework.cli.schedule`; :mod:`~framework.cli.common` holds what they share, and
+:mod:`~framework.cli.hints` what they say about names that do not exist. Those modules are
+internal: the public names are :func:`main` and :func:`build_parser`.
 """
 
 from __future__ import annotations
