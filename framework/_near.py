@@ -1,9 +1,13 @@
 """Near matches for a mistyped name: the one "did you mean" of the client and every CLI command.
 
-A near match is a known name similar enough to be a typo of the given one (``difflib`` ratio of at
-least :data:`CUTOFF`: a transposed, dropped or doubled letter in a dotted name, not a sibling such as
-``orders.paid`` for ``orders.placed``). Names that differ only in their digits (``refunds.v1`` and
-``refunds.v2``, ``shard-3`` and ``shard-4``) are siblings on purpose, never near matches.
+:func:`near_match` is strict, since the client refuses a send on it: a known name is a typo of the
+given one only when both have the same dot-separated words but one, and that word is one edit away
+(a letter dropped, added, changed, or two neighbours swapped: ``refunds.isue`` for
+``refunds.issue``, ``billing.refnud`` for ``billing.refund``). Short words (under 4 letters:
+``orders.eu`` and ``orders.us``) and words that differ only in digits (``refunds.v1``,
+``shard-3``) are siblings on purpose, never typos: new topics matching a pattern subscription
+(``orders.*``) are created that way. :func:`did_you_mean` is the CLI's looser hint (``difflib``),
+shown beside a refusal that stands anyway.
 """
 
 from __future__ import annotations
@@ -12,25 +16,49 @@ import difflib
 import re
 from collections.abc import Iterable
 
-__all__ = ["CUTOFF", "did_you_mean", "listed", "near_match"]
+__all__ = ["did_you_mean", "listed", "near_match"]
 
-CUTOFF = 0.85
 _DIGITS = re.compile(r"\d+")
+_MIN_WORD = 4
 
 
-def near_match(name: str, known: Iterable[str], *, cutoff: float = CUTOFF, numbered: bool = False) -> str | None:
-    """The known name closest to ``name`` when it is close enough to be a typo of it, else None
-    (``numbered``: names differing only in digits count too)."""
-    letters = _DIGITS.sub("", name)
-    names = [k for k in known if k != name and (numbered or _DIGITS.sub("", k) != letters)]
-    close = difflib.get_close_matches(name, names, n=1, cutoff=cutoff)
-    return close[0] if close else None
+def _one_edit(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` differ by one insertion, deletion, substitution or adjacent swap."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        if len(diff) == 1:
+            return True
+        return len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]]
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    i = next((k for k in range(len(short)) if short[k] != long[k]), len(short))
+    return short[i:] == long[i + 1 :]
+
+
+def _typo_of(name: str, known: str) -> bool:
+    words, other = name.split("."), known.split(".")
+    if len(words) != len(other):
+        return False
+    differing = [(w, o) for w, o in zip(words, other, strict=True) if w != o]
+    if len(differing) != 1:
+        return False
+    w, o = differing[0]
+    if min(len(w), len(o)) < _MIN_WORD or _DIGITS.sub("", w) == _DIGITS.sub("", o):
+        return False
+    return _one_edit(w.lower(), o.lower()) or (w.lower() == o.lower())
+
+
+def near_match(name: str, known: Iterable[str]) -> str | None:
+    """The known name ``name`` is a typo of (see the module docstring), else None."""
+    close = [k for k in known if k != name and _typo_of(name, k)]
+    return min(close) if close else None
 
 
 def did_you_mean(name: str, known: Iterable[str], *, cutoff: float = 0.6) -> str:
-    """`` (did you mean 'x'?)`` for the closest known name, or "" (the looser CLI cutoff: a hint only)."""
-    close = near_match(name, known, cutoff=cutoff, numbered=True)
-    return f" (did you mean {close!r}?)" if close else ""
+    """`` (did you mean 'x'?)`` for the closest known name, or "" (a hint beside a refusal)."""
+    close = difflib.get_close_matches(name, [k for k in known if k != name], n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def listed(names: list[str], limit: int = 20) -> str:

@@ -241,6 +241,9 @@ async def test_client_refuses_a_typo_of_a_declared_name_and_creates_on_purpose(b
         assert await client.send(Queue("refunds.issu"), {"n": 1})  # a Queue object creates on purpose
         with pytest.warns(NewDestinationWarning):  # numbered siblings are not typos: created
             assert await client.publish("audit.trail2", {"n": 1})
+        await client.publish("orders.us.placed", {"n": 1}, create=True)
+        with pytest.warns(NewDestinationWarning):  # a sibling for a pattern subscription ("orders.*.placed")
+            assert await client.publish("orders.eu.placed", {"n": 1})
 
 
 # -- the README's Quick start, as written -------------------------------------------------------------
