@@ -26,6 +26,7 @@ __all__ = [
     "InboxMemory",
     "Introspection",
     "LeaseView",
+    "MessageLog",
     "PartitionState",
     "select_destinations",
 ]
@@ -272,4 +273,17 @@ class Introspection(Protocol):
 
     async def stored_messages(self, spec: DestinationSpec) -> list[Envelope]:
         """Every message stored on ``spec`` (all partitions, each in order), decoded."""
+        ...
+
+
+@runtime_checkable
+class MessageLog(Protocol):
+    """A transport that keeps what was published as a log readable without consuming it (Redis
+    streams, the memory transport); RabbitMQ has none: a message leaves its queue when consumed."""
+
+    async def read_entries(
+        self, spec: DestinationSpec, partition: int, start: str = "-", count: int = 100
+    ) -> list[tuple[str, dict[bytes, bytes]]]:
+        """Up to ``count`` stored entries of one partition from entry id ``start`` on (inclusive;
+        ``-`` the oldest; ``MS`` or ``MS-SEQ``), in order, as ``(entry id, raw fields)``; read-only."""
         ...

@@ -35,6 +35,7 @@ module that needs a higher one's object gets it passed in, typed by a small Prot
 """
 
 from broker import BrokerUnavailable, ConfigurationError, Envelope, MessageTooLarge
+from framework._destinations import NewDestinationWarning, UnknownDestination
 from framework._payloads import PayloadError, converter
 from framework.batch_context import BatchContext
 from framework.batching import BatchAborted, BatchFailed, BatchPolicy
@@ -80,6 +81,8 @@ __all__ = [
     "Client",
     "SyncClient",
     "Batch",
+    "UnknownDestination",
+    "NewDestinationWarning",
     # request/reply: client.request(...) / ctx.request(...)
     "RequestError",
     "RequestTimeout",

@@ -5,12 +5,17 @@ is stored. ``request`` sends a command and waits for its handler's return value 
 :mod:`framework.requests`). ``send_many``/``publish_many`` and :meth:`Client.batch` pipeline many messages in one
 round trip. ``idempotency_key`` makes a repeated publish (a retried HTTP request, say) a no-op
 within the broker's dedup window (``send``/``publish`` then return None instead of an id).
+
+A destination named by string that nobody declared is checked first (:mod:`framework._destinations`):
+a near match of a declared name raises :class:`~framework.UnknownDestination` (a typo would create a
+queue nobody reads); ``create=True`` or a ``Queue``/``Topic`` object creates one on purpose.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+import functools
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -20,6 +25,7 @@ from broker import COMMAND, EVENT, Broker, Envelope, connect
 from broker.capabilities import as_scheduler
 from broker.codec import check_body_size
 from broker.codec import max_body_bytes as max_body_setting
+from framework._destinations import DestinationGuard
 from framework._messages import Outgoing, build_envelope
 from framework.observability import hooks
 from framework.requests import DEFAULT_REPLY_TTL, Requester
@@ -42,17 +48,22 @@ class Batch:
 
     def __init__(self) -> None:
         self.items: list[Outgoing] = []
+        self.created: set[str] = set()  # names sent to with create=True
 
-    def send(self, queue: str | Queue, command: Any, **options: Any) -> str | None:
+    def send(self, queue: str | Queue, command: Any, *, create: bool = False, **options: Any) -> str | None:
         """Add a command; returns its message id (options as :meth:`Client.send`, ``delay``/``at`` too)."""
         env, spec = build_envelope(queue, COMMAND, command, **_scheduled(options))
         self.items.append((env, spec))
+        if create:
+            self.created.add(env.destination)
         return env.id
 
-    def publish(self, topic: str | Topic, event: Any, **options: Any) -> str | None:
+    def publish(self, topic: str | Topic, event: Any, *, create: bool = False, **options: Any) -> str | None:
         """Add an event; returns its message id (options as :meth:`Client.publish`, ``delay``/``at`` too)."""
         env, spec = build_envelope(topic, EVENT, event, **_scheduled(options))
         self.items.append((env, spec))
+        if create:
+            self.created.add(env.destination)
         return env.id
 
 
@@ -80,6 +91,7 @@ class Client:
         self._broker = broker
         self._max_body_bytes = max_body_setting(max_body_bytes) if max_body_bytes is not None else None
         self._owns = broker is None
+        self._guard = DestinationGuard()
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -113,11 +125,20 @@ class Client:
             await self._broker.close()
             self._broker = None
 
-    async def _publish(self, items: list[Outgoing], dedup_window_ms: int | None = None) -> list[str | None]:
+    async def _publish(
+        self,
+        items: list[Outgoing],
+        dedup_window_ms: int | None = None,
+        *,
+        create: bool | Collection[str] = False,
+    ) -> list[str | None]:
+        """Store ``items``; names not declared yet are checked unless ``create`` (True, or the names)."""
         broker = await self.connect()
         limit = self._max_body_bytes or broker.max_body_bytes
         for env, _ in items:  # before anything is declared or sent
             check_body_size(env, limit)
+        if create is not True:
+            await self._guard.check(broker, items, created=create or ())
         for _, spec in items:  # Queue/Topic objects: declared once per broker; names are routed by publish
             if spec is not None:
                 await broker.ensure_declared(spec)
@@ -137,12 +158,15 @@ class Client:
         message_id: str | None = None,
         delay: timedelta | float | None = None,
         at: datetime | None = None,
+        create: bool = False,
     ) -> str | None:
         """Send a command to ``queue``; return its message id.
 
         None when ``idempotency_key`` was already used within the dedup window (nothing stored).
         ``delay`` (seconds or timedelta, >= 0) or ``at`` (an aware datetime) schedules it: stored
-        now, delivered when due; :meth:`cancel_scheduled` takes the returned id.
+        now, delivered when due; :meth:`cancel_scheduled` takes the returned id. An undeclared
+        ``queue`` close to a declared name raises :class:`~framework.UnknownDestination` unless
+        ``create=True``.
         """
         item = build_envelope(
             queue,
@@ -154,7 +178,7 @@ class Client:
             idempotency_key=idempotency_key,
             message_id=message_id,
         )
-        [entry] = await self._publish([item])
+        [entry] = await self._publish([item], create=create)
         return None if entry is None else item[0].id
 
     async def publish(
@@ -169,11 +193,12 @@ class Client:
         message_id: str | None = None,
         delay: timedelta | float | None = None,
         at: datetime | None = None,
+        create: bool = False,
     ) -> str | None:
         """Publish an event to ``topic``; return its message id.
 
         None when ``idempotency_key`` was already used within the dedup window (nothing stored).
-        ``delay``/``at`` schedule it, as for :meth:`send`.
+        ``delay``/``at`` schedule it, and ``create`` works, as for :meth:`send`.
         """
         item = build_envelope(
             topic,
@@ -185,7 +210,7 @@ class Client:
             idempotency_key=idempotency_key,
             message_id=message_id,
         )
-        [entry] = await self._publish([item])
+        [entry] = await self._publish([item], create=create)
         return None if entry is None else item[0].id
 
     async def send_many(
@@ -196,12 +221,13 @@ class Client:
         key: Callable[[Any], str] | None = None,
         delay: timedelta | float | None = None,
         at: datetime | None = None,
+        create: bool = False,
     ) -> list[str]:
         """Send many commands in one pipeline; ``key`` computes each one's key; ``delay``/``at``
         schedule them all (one due time)."""
         headers = with_due(None, delay, at)
         items = [build_envelope(queue, COMMAND, c, key=key(c) if key else None, headers=headers) for c in commands]
-        await self._publish(items)
+        await self._publish(items, create=create)
         return [env.id for env, _ in items]
 
     async def publish_many(
@@ -212,12 +238,13 @@ class Client:
         key: Callable[[Any], str] | None = None,
         delay: timedelta | float | None = None,
         at: datetime | None = None,
+        create: bool = False,
     ) -> list[str]:
         """Publish many events in one pipeline; ``key`` computes each one's key; ``delay``/``at``
         schedule them all (one due time)."""
         headers = with_due(None, delay, at)
         items = [build_envelope(topic, EVENT, e, key=key(e) if key else None, headers=headers) for e in events]
-        await self._publish(items)
+        await self._publish(items, create=create)
         return [env.id for env, _ in items]
 
     async def request(
@@ -264,7 +291,7 @@ class Client:
 
     async def publish_envelopes(self, envelopes: Iterable[Envelope]) -> list[str | None]:
         """Publish prepared envelopes as they are (the outbox relay and tools use this)."""
-        return await self._publish([(e, None) for e in envelopes])
+        return await self._publish([(e, None) for e in envelopes], create=True)
 
     @contextlib.asynccontextmanager
     async def batch(self) -> AsyncIterator[Batch]:
@@ -272,7 +299,7 @@ class Client:
         b = Batch()
         yield b
         if b.items:
-            await self._publish(b.items)
+            await self._publish(b.items, create=b.created)
 
 
 class SyncClient:
@@ -344,4 +371,4 @@ class SyncClient:
         b = Batch()
         yield b
         if b.items:
-            self._portal.call(self._client._publish, b.items)
+            self._portal.call(functools.partial(self._client._publish, b.items, create=b.created))

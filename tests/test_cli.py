@@ -170,6 +170,9 @@ _WITHOUT_SQL = (
         ["outbox", "ddl"],
         ["outbox", "status"],
         ["outbox", "retry", "--all"],
+        ["outbox", "list"],
+        ["outbox", "show", "some-id"],
+        ["outbox", "discard", "--all", "--yes"],
     ],
 )
 def test_outbox_commands_name_the_sql_extra_on_the_core_install(args: list[str], worker_env: dict[str, str]) -> None:

@@ -246,8 +246,12 @@ class EmbeddedServer:
                 return ServerStatus(True, self.data_dir, pid, port, password)
         return ServerStatus(False, self.data_dir)
 
-    def ensure_running(self, timeout: float = 15.0) -> str:
-        """Return the server's URL (with its password), starting it (detached) if it is not running."""
+    def ensure_running(self, timeout: float = 15.0, *, port: int | None = None) -> str:
+        """Return the server's URL (with its password), starting it (detached) if it is not running.
+
+        ``port`` applies when it starts (default: its previous port, else a free one); a running
+        server keeps its own (check :meth:`status` first to tell the user).
+        """
         status = self.status()
         if status.running and status.password:
             return cast(str, status.url)  # running: it has one
@@ -266,11 +270,11 @@ class EmbeddedServer:
                         f"the embedded Valkey in {self.data_dir} (pid {state[0]}) refuses the password in "
                         f"{self._password_file}: stop that process (kill {state[0]}), then run the command again"
                     )
-            url = self._start(timeout, password)
+            url = self._start(timeout, password, port)
         if self.announce is not None:
-            port = self._read_state()
+            state = self._read_state()
             self.announce(
-                f"started the embedded Valkey on 127.0.0.1:{port[1] if port else '?'} "
+                f"started the embedded Valkey on 127.0.0.1:{state[1] if state else '?'} "
                 f"(data in {self.data_dir}; `framework server stop` stops it)"
             )
         return url
@@ -321,10 +325,10 @@ class EmbeddedServer:
             ]
         )
 
-    def _start(self, timeout: float, password: str) -> str:
+    def _start(self, timeout: float, password: str, requested: int | None = None) -> str:
         binary = _binary()
         _make_private(self.data_dir)  # an older version left it world-readable
-        port = self._previous_port() or _free_port()  # same port again: connected workers reconnect
+        port = requested or self._previous_port() or _free_port()  # same port again: connected workers reconnect
         conf = self.data_dir / "valkey.conf"
         _write_private(conf, self._config(port, password))
         log_fd = os.open(self.data_dir / "valkey.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -279,3 +279,11 @@ class Inspection(Topology):
     async def stored_messages(self, spec: DestinationSpec) -> list[Envelope]:
         """Every message stored on ``spec``, decoded."""
         return await stored_messages(self, spec)
+
+    async def read_entries(
+        self, spec: DestinationSpec, partition: int, start: str = "-", count: int = 100
+    ) -> list[tuple[str, dict[bytes, bytes]]]:
+        """Up to ``count`` entries of one partition's stream from ``start`` on (XRANGE; read-only)."""
+        stream = self.keyspace.partition(spec.name, partition).stream
+        rows = await self.redis.execute_command("XRANGE", stream, start, "+", "COUNT", count)
+        return [(_text(entry_id), dict(zip(flat[::2], flat[1::2], strict=True))) for entry_id, flat in rows]

@@ -87,7 +87,7 @@ def _cause(group: BaseExceptionGroup) -> BaseException:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
             return _cause(exc)
-        if isinstance(exc, (UsageError, KeyboardInterrupt, *_reportable())):
+        if isinstance(exc, (UsageError, KeyboardInterrupt, BrokenPipeError, *_reportable())):
             return exc
     return group
 

@@ -1,8 +1,9 @@
 """``framework dlq list|show|redrive|purge``: dead letters from the command line.
 
-Thin layers over :class:`framework.dead_letters.DeadLetters`. ``redrive`` shows a progress bar on a
-terminal (never in CI logs); ``purge`` asks for confirmation (``--yes``; without a terminal it
-refuses rather than ask).
+Thin layers over :class:`framework.dead_letters.DeadLetters`. ``--destination`` and ``--group`` must
+name what exists ("no such destination", with the near match), so a typo never reads as "0 redriven".
+``redrive`` shows a progress bar on a terminal (never in CI logs); ``purge`` asks for confirmation
+(``--yes``; without a terminal it refuses rather than ask).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import anyio
 from broker import connect
 from framework.cli.args import positive_int, positive_rate
 from framework.cli.common import UsageError, connection_options, print_json
+from framework.cli.hints import require_destination, require_group
 from framework.dead_letters import DeadLetter, DeadLetters
 
 __all__ = ["register"]
@@ -29,6 +31,11 @@ def _with_dead_letters(args: argparse.Namespace, fn: Callable[[DeadLetters], Awa
     async def go() -> Any:
         broker = await connect(args.redis_url, namespace=args.namespace)
         try:
+            destination = getattr(args, "destination", None)
+            if destination:  # a typo must not read as "nothing to do"
+                await require_destination(broker, destination)
+            if getattr(args, "group", None):
+                await require_group(broker, args.group, destination)
             return await fn(DeadLetters(broker))
         finally:
             await broker.close()

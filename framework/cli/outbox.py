@@ -1,4 +1,7 @@
-"""``framework outbox relay|migrate|ddl|status|retry``: the database outbox from the command line.
+"""``framework outbox relay|migrate|ddl|status``: the database outbox from the command line.
+
+The refused rows (``list``, ``show``, ``retry``, ``discard``) are in :mod:`framework.cli.outbox_rows`;
+what both share in :mod:`framework.cli.outbox_db`.
 
 SQLAlchemy and the database drivers are imported only when an outbox command runs, so the rest of
 the ``framework`` command works without the ``sql`` extra.
@@ -7,94 +10,36 @@ the ``framework`` command works without the ``sql`` extra.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import signal
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import anyio
 
+from framework.cli import outbox_rows
 from framework.cli.args import duration, metrics_address, metrics_options, positive_int
 from framework.cli.common import UsageError, connection_options, print_json
+from framework.cli.outbox_db import (
+    Fail,
+    checked,
+    database_option,
+    engine_of,
+    guarded,
+    logging_options,
+    one_line,
+    sql_modules,
+)
 
 __all__ = ["register"]
 
 _DIALECTS = ("postgresql", "sqlite")  # as framework.outbox.schema.DIALECTS, without importing SQLAlchemy
 
 
-def _sql_modules() -> tuple[Any, Any]:
-    try:
-        from framework import outbox, sql
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] in ("sqlalchemy", "psycopg", "aiosqlite", "greenlet"):
-            raise _Fail(
-                f"the outbox needs the SQL extra ({exc.name} is missing): pip install 'framework[sql]'"
-            ) from None
-        raise
-    return outbox, sql
-
-
-class _Fail(Exception):
-    """A failure reported in one line with exit status 1 (the database, not the arguments)."""
-
-
-def _engine(args: argparse.Namespace) -> Any:
-    outbox, _ = _sql_modules()
-    try:
-        return outbox.create_engine(args.database_url)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Report database failures in one line (exit 1), as the other commands do for the broker."""
-
-    @functools.wraps(run)
-    def command(args: argparse.Namespace) -> int:
-        try:
-            return run(args)
-        except _Fail as exc:
-            print(f"framework outbox {args.outbox_command}: {exc}", file=sys.stderr)
-            return 1
-        except BaseExceptionGroup as group:
-            inner = group
-            while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
-                inner = inner.exceptions[0]
-            if isinstance(inner, _Fail):
-                print(f"framework outbox {args.outbox_command}: {inner}", file=sys.stderr)
-                return 1
-            raise
-        except Exception as exc:
-            from sqlalchemy.exc import SQLAlchemyError
-
-            if not isinstance(exc, SQLAlchemyError | OSError):
-                raise
-            print(f"framework outbox {args.outbox_command}: database error: {_one_line(exc)}", file=sys.stderr)
-            return 1
-
-    return command
-
-
-async def _checked(engine: Any) -> None:
-    """Fail in one line when the database is unreachable or lacks the tables."""
-    outbox, sql = _sql_modules()
-    try:
-        await outbox.check_tables(engine)
-    except sql.DatabaseUnavailable as exc:
-        raise _Fail(str(exc)) from None
-
-
-@_guarded
+@guarded
 def relay_command(args: argparse.Namespace) -> int:
     """Publish committed outbox messages until a signal (``--once``: what waits now, then exit)."""
-    engine = _engine(args)  # first: it says in one line when the sql extra is missing
+    engine = engine_of(args)  # first: it says in one line when the sql extra is missing
 
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -112,11 +57,11 @@ def relay_command(args: argparse.Namespace) -> int:
     try:  # tracing and metrics as the OTEL_* variables say; --metrics-port serves Prometheus
         observability.configure_from_env("outbox-relay", metrics_port=metrics_port, metrics_host=metrics_host)
     except OSError as exc:
-        raise _Fail(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc.strerror or exc}") from None
+        raise Fail(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc.strerror or exc}") from None
 
     async def main() -> int:
         try:
-            await _checked(engine)
+            await checked(engine)
             broker = await connect(args.redis_url, namespace=args.namespace)
             try:
                 relay = OutboxRelay(
@@ -134,8 +79,8 @@ def relay_command(args: argparse.Namespace) -> int:
                     try:
                         settled = await relay.drain()
                     except failures as exc:
-                        raise _Fail(
-                            f"stopped after publishing {relay.published} message(s): {_one_line(exc)}; "
+                        raise Fail(
+                            f"stopped after publishing {relay.published} message(s): {one_line(exc)}; "
                             "the next run publishes the rest"
                         ) from None
                     print(
@@ -159,18 +104,18 @@ def relay_command(args: argparse.Namespace) -> int:
         observability.shutdown()  # spans and metrics still buffered go out now
 
 
-@_guarded
+@guarded
 def migrate_command(args: argparse.Namespace) -> int:
     """Create the outbox and inbox tables (idempotent)."""
-    outbox, sql = _sql_modules()
-    engine = _engine(args)
+    outbox, sql = sql_modules()
+    engine = engine_of(args)
 
     async def main() -> None:
         try:
             try:
                 await sql.ping(engine)
             except sql.DatabaseUnavailable as exc:
-                raise _Fail(str(exc)) from None
+                raise Fail(str(exc)) from None
             await outbox.create_tables(engine)
         finally:
             await engine.dispose()
@@ -180,10 +125,10 @@ def migrate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guarded
+@guarded
 def ddl_command(args: argparse.Namespace) -> int:
     """Print the DDL of the tables, for the user's own migration tool."""
-    outbox, sql = _sql_modules()
+    outbox, sql = sql_modules()
     dialect = args.dialect
     if dialect is None:
         try:
@@ -194,15 +139,15 @@ def ddl_command(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guarded
+@guarded
 def status_command(args: argparse.Namespace) -> int:
     """Print how many messages wait, were refused and were sent, and the inbox records."""
-    _, sql = _sql_modules()
-    engine = _engine(args)
+    _, sql = sql_modules()
+    engine = engine_of(args)
 
     async def main() -> dict[str, Any]:
         try:
-            await _checked(engine)
+            await checked(engine)
             return await _status(engine)
         finally:
             await engine.dispose()
@@ -217,36 +162,10 @@ def status_command(args: argparse.Namespace) -> int:
     print(f"waiting:   {st['waiting']}{age}")
     print(
         f"refused:   {st['refused']}"
-        + ("  (see the error column; `framework outbox retry` once fixed)" if st["refused"] else "")
+        + ("  (`framework outbox list` shows them; `framework outbox retry` once fixed)" if st["refused"] else "")
     )
     print(f"sent:      {st['sent']} (kept for the retention period)")
     print(f"inbox:     {st['inbox']} record(s)")
-    return 0
-
-
-@_guarded
-def retry_command(args: argparse.Namespace) -> int:
-    """Put refused messages back in line once the cause is fixed."""
-    if not args.ids and not args.all:
-        raise UsageError("say which refused messages to retry: message ids, or --all")
-    engine = _engine(args)
-
-    async def main() -> int:
-        from sqlalchemy import update
-
-        from framework.outbox.schema import outbox_table as t
-
-        try:
-            await _checked(engine)
-            stmt = update(t).where(t.c.error.isnot(None)).values(error=None)
-            if args.ids:
-                stmt = stmt.where(t.c.message_id.in_(args.ids))
-            async with engine.begin() as conn:
-                return int((await conn.execute(stmt)).rowcount)
-        finally:
-            await engine.dispose()
-
-    print(f"{anyio.run(main)} refused message(s) will be published again")
     return 0
 
 
@@ -287,32 +206,13 @@ async def _status(engine: Any) -> dict[str, Any]:
     }
 
 
-def _database_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--database-url",
-        default=None,
-        help="postgresql://... or sqlite:///file.db (default: $DATABASE_URL, else $FRAMEWORK_HOME/outbox.db)",
-    )
-
-
-def _logging_options(p: argparse.ArgumentParser) -> None:
-    # nested sub-commands do not inherit the top-level parser's parents
-    p.add_argument("--log-level", default=argparse.SUPPRESS, help="debug, info, warning, error (default: info)")
-    p.add_argument(
-        "--log-format",
-        choices=("console", "json"),
-        default=argparse.SUPPRESS,
-        help="default: console on a terminal, json otherwise",
-    )
-
-
 def register(sub: Any) -> None:
-    """Add ``outbox`` (relay, migrate, ddl, status, retry) to the ``framework`` command."""
+    """Add ``outbox`` (relay, migrate, ddl, status, list, show, retry, discard) to the ``framework`` command."""
     outbox = sub.add_parser("outbox", help="database outbox: run the relay, create the tables, print the DDL")
     actions = outbox.add_subparsers(dest="outbox_command", required=True)
 
     p = actions.add_parser("relay", help="publish committed outbox messages until SIGTERM/SIGINT")
-    _database_option(p)
+    database_option(p)
     p.add_argument("--batch-size", type=positive_int, default=1000, help="messages per transaction (default 1000)")
     p.add_argument(
         "--poll-interval",
@@ -344,12 +244,12 @@ def register(sub: Any) -> None:
     p.add_argument("--once", action="store_true", help="publish what is waiting now, then exit")
     metrics_options(p)
     connection_options(p)
-    _logging_options(p)
+    logging_options(p)
     p.set_defaults(func=relay_command)
 
     p = actions.add_parser("migrate", help="create the outbox and inbox tables (idempotent)")
-    _database_option(p)
-    _logging_options(p)
+    database_option(p)
+    logging_options(p)
     p.set_defaults(func=migrate_command)
 
     p = actions.add_parser("ddl", help="print the DDL, for your own migration tool")
@@ -359,18 +259,13 @@ def register(sub: Any) -> None:
         default=None,
         help="default: that of --database-url / $DATABASE_URL (SQLite without either)",
     )
-    _database_option(p)
+    database_option(p)
     p.set_defaults(func=ddl_command)
 
     p = actions.add_parser("status", help="messages waiting, refused and sent; inbox records")
-    _database_option(p)
+    database_option(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    _logging_options(p)
+    logging_options(p)
     p.set_defaults(func=status_command)
 
-    p = actions.add_parser("retry", help="publish messages the broker refused again, once the cause is fixed")
-    p.add_argument("ids", nargs="*", metavar="MESSAGE_ID")
-    p.add_argument("--all", action="store_true", help="every refused message")
-    _database_option(p)
-    _logging_options(p)
-    p.set_defaults(func=retry_command)
+    outbox_rows.register(actions)

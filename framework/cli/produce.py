@@ -15,6 +15,8 @@ import anyio
 
 from broker.envelope import Kind
 from broker.errors import transport_errors
+from framework._near import did_you_mean, listed
+from framework.cli.args import duration
 from framework.cli.common import UsageError, connection_options, json_payload
 
 __all__ = ["register"]
@@ -44,7 +46,9 @@ def _produce(kind: Kind) -> Callable[[argparse.Namespace], int]:
                     key=args.key,
                     type=args.type,
                     idempotency_key=args.idempotency_key,
+                    message_id=args.message_id,
                     delay=args.delay,
+                    create=True,  # checked above (or --create)
                 )
 
         message_id = anyio.run(go)
@@ -68,28 +72,13 @@ async def _require_known(broker: Any, name: str, kind: str) -> None:
     """
     if await broker.get_destination(name) is not None:
         return  # a kind mismatch is reported by the client, naming the right verb
-    import difflib
-
     noun = "queue" if kind == "command" else "topic"
     try:
         known = [s.name for s in await broker.list_destinations() if s.kind == kind]
     except transport_errors():  # a producer's ACL need not list destinations (HGETALL: NOPERM)
         raise UsageError(f"unknown {noun} {name!r}; pass --create to declare it") from None
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    listed = ", ".join(known[:20]) + (f" and {len(known) - 20} more" if len(known) > 20 else "") if known else "none"
-    raise UsageError(f"unknown {noun} {name!r}{hint}; known {noun}s: {listed}; pass --create to declare it")
-
-
-def _seconds(text: str) -> float:
-    """A delay in seconds (>= 0) for ``--delay``."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"the delay must be a finite number of seconds >= 0, not {text!r}")
-    return value
+    hint = did_you_mean(name, known)
+    raise UsageError(f"unknown {noun} {name!r}{hint}; known {noun}s: {listed(known)}; pass --create to declare it")
 
 
 def register(sub: Any) -> None:
@@ -108,7 +97,17 @@ def register(sub: Any) -> None:
         p.add_argument("--type", default=None, help="payload type name recorded in the envelope")
         p.add_argument("--idempotency-key", default=None, help="drop repeats of this key within the dedup window")
         p.add_argument(
-            "--delay", type=_seconds, default=None, help="deliver after this many seconds (a scheduled message)"
+            "--message-id",
+            default=None,
+            help="the message id (default: a new UUIDv7); a repeat of an id already processed is dropped by "
+            "the consumers' inbox",
+        )
+        p.add_argument(
+            "--delay",
+            type=duration,
+            default=None,
+            metavar="DURATION",
+            help="deliver after this long, e.g. 30, 90s, 10m, 2h (a scheduled message)",
         )
         connection_options(p)
         p.set_defaults(func=_produce(kind))

@@ -253,8 +253,18 @@ def _milliseconds(text: str) -> float:
 
 def register(sub: Any) -> None:
     """Add ``run`` to the ``framework`` command."""
-    run = sub.add_parser("run", help="run services until SIGTERM/SIGINT")
-    run.add_argument("targets", nargs="+", metavar="MODULE:SERVICE", help="e.g. example_services.quickstart:billing")
+    run = sub.add_parser(
+        "run",
+        help="run services until SIGTERM/SIGINT",
+        description="Run services until SIGTERM/SIGINT. MODULE:SERVICE runs one Service (or a list of them) "
+        "named SERVICE in MODULE; MODULE alone runs every Service defined at the top level of MODULE.",
+    )
+    run.add_argument(
+        "targets",
+        nargs="+",
+        metavar="MODULE[:SERVICE]",
+        help="e.g. example_services.quickstart:billing; MODULE alone runs every Service in it",
+    )
     run.add_argument("--concurrency", type=positive_int, default=64, help="handlers running at once (default 64)")
     run.add_argument("--prefetch", type=positive_int, default=500, help="entries fetched per read (default 500)")
     run.add_argument(

@@ -4,7 +4,10 @@ With ``--cluster N`` the same actions manage a local Redis Cluster of N embedded
 (:mod:`broker.redis.embedded_cluster`); the other commands use it through ``REDIS_URL``, which
 ``start --cluster`` prints as a shell line reading the password file.
 
-Its output names the password file, never the password.
+Its output names the password file, never the password. ``status --json`` prints the same as one
+JSON object (``running``, ``url`` with the password as ``***``, ``port``, ``pid``, ``data_dir``,
+``password_file``; with ``--cluster``: ``nodes``). ``start --port N`` starts the server on port N;
+when one already runs on another port, it is refused in one line naming that port (stop it first).
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from __future__ import annotations
 import argparse
 import shlex
 from typing import Any
+
+from framework.cli.args import port as port_number
+from framework.cli.common import UsageError, print_json
 
 __all__ = ["register"]
 
@@ -24,7 +30,13 @@ def manage_server(args: argparse.Namespace) -> int:
 
     server = EmbeddedServer(args.data_dir)
     if args.action == "start":
-        server.ensure_running()
+        st = server.status()
+        if st.running and args.port is not None and st.port != args.port:
+            raise UsageError(
+                f"the embedded Valkey already runs on port {st.port} (pid {st.pid}, data in {server.data_dir}): "
+                f"--port {args.port} not applied; stop it first (framework server stop) to move it"
+            )
+        server.ensure_running(port=args.port)
         st = server.status()
         print(
             f"embedded Valkey running at redis://127.0.0.1:{st.port}/0 pid {st.pid} "
@@ -34,6 +46,18 @@ def manage_server(args: argparse.Namespace) -> int:
         print("stopped" if server.stop() else f"not running (data dir {server.data_dir})")
     else:
         st = server.status()
+        if args.json:
+            print_json(
+                {
+                    "running": st.running,
+                    "url": st.safe_url,
+                    "port": st.port,
+                    "pid": st.pid,
+                    "data_dir": str(st.data_dir),
+                    "password_file": str(st.data_dir / "password"),
+                }
+            )
+            return 0 if st.running else 3
         if st.running:
             print(f"running: {st.safe_url}")
             print(f"data dir: {st.data_dir}")
@@ -55,6 +79,12 @@ def manage_cluster(args: argparse.Namespace) -> int:
     if args.action == "start":
         if args.cluster < 1:
             raise SystemExit("framework server: --cluster needs a number of masters, at least 1 (e.g. --cluster 3)")
+        st = cluster.status()
+        if st.running and args.port is not None and st.nodes[0].port != args.port:
+            raise UsageError(
+                f"the local cluster already runs on ports {', '.join(str(n.port) for n in st.nodes)}: "
+                f"--port {args.port} not applied; stop it first (framework server stop --cluster) to move it"
+            )
         cluster.ensure_running(args.cluster, base_port=args.port)
         st = cluster.status()
         ports = ", ".join(str(n.port) for n in st.nodes)
@@ -67,6 +97,17 @@ def manage_cluster(args: argparse.Namespace) -> int:
         print("stopped the local cluster" if cluster.stop() else f"local cluster not running (dir {cluster.data_dir})")
     else:
         st = cluster.status()
+        if args.json:
+            print_json(
+                {
+                    "running": st.running,
+                    "url": st.safe_url if st.running else None,
+                    "data_dir": str(st.data_dir),
+                    "password_file": str(password_file),
+                    "nodes": [{"port": n.port, "bus_port": n.bus_port, "pid": n.pid} for n in st.nodes],
+                }
+            )
+            return 0 if st.running else 3
         if not st.running:
             print(f"local cluster not running (dir {st.data_dir}); start it with `framework server start --cluster 3`")
             return 3
@@ -98,6 +139,11 @@ def register(sub: Any) -> None:
         help="a local Redis Cluster of N masters (default 3) instead of the single server",
     )
     server.add_argument(
-        "--port", type=int, default=None, help="with start --cluster: first node's port (then +1, +2...); default free"
+        "--port",
+        type=port_number,
+        default=None,
+        help="with start: the server's port (with --cluster: the first node's, then +1, +2...); default: the "
+        "previous one, else a free one; refused when it already runs on another",
     )
+    server.add_argument("--json", action="store_true", help="with status: one JSON object (exit status 3: stopped)")
     server.set_defaults(func=manage_server)

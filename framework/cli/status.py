@@ -28,6 +28,7 @@ import anyio
 from broker import connect
 from broker.introspection import DestinationState
 from framework.cli.common import UsageError, connection_options, print_json
+from framework.cli.hints import namespace_hint
 from framework.operations.overview import Overview, load_overview
 from framework.settings import inbox_memory_budget, parse_bytes
 
@@ -56,30 +57,31 @@ def over_budget(states: list[DestinationState], budget: int) -> list[str]:
 def show_status(args: argparse.Namespace) -> int:
     """Print the state of every declared destination (or of those named)."""
 
-    async def collect() -> Overview:
+    async def collect() -> tuple[Overview, str]:
         broker = await connect(args.redis_url, namespace=args.namespace)
         try:
-            return await load_overview(broker, args.destinations or None)
+            overview = await load_overview(broker, args.destinations or None)
+            return overview, ("" if overview.states else await namespace_hint(broker))
         finally:
             await broker.close()
 
     try:
         budget = parse_bytes(args.inbox_budget) if args.inbox_budget else inbox_memory_budget()
-        overview = anyio.run(collect)
+        overview, empty = anyio.run(collect)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     states = overview.states
     warnings = over_budget(states, budget)
     if args.json:
         print_json(overview.destinations_json())
-        for line in warnings:
+        for line in [*warnings, empty] if empty else warnings:
             print(line, file=sys.stderr)
         return 0
     from rich.console import Console
 
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if not states:
-        console.print("no destinations declared yet (publish a message or run a service first)")
+        console.print(empty, markup=False, highlight=False)
     else:
         console.print(_table(overview, args.namespace or os.environ.get("FRAMEWORK_NAMESPACE") or "fw"))
         owners = _owners_table(states)

@@ -4,6 +4,6 @@
 :mod:`framework.dead_letters.reasons` builds the reason fields the runtime stores with each one.
 """
 
-from framework.dead_letters.admin import DeadLetter, DeadLetters
+from framework.dead_letters.admin import DeadLetter, DeadLetters, body_view
 
-__all__ = ["DeadLetter", "DeadLetters"]
+__all__ = ["DeadLetter", "DeadLetters", "body_view"]

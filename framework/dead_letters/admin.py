@@ -19,8 +19,22 @@ import orjson
 from broker import Broker, GroupPartition
 from broker import headers as h
 from broker.capabilities import as_dead_letter_admin, as_introspection
+from framework.observability.logcontext import redacted_json
 
-__all__ = ["DeadLetter", "DeadLetters"]
+__all__ = ["DeadLetter", "DeadLetters", "body_view"]
+
+
+def body_view(body: bytes) -> dict[str, Any]:
+    """A stored body as an operator sees it (``dlq show``, ``peek``): ``body`` is its JSON with the
+    secret fields redacted (``FRAMEWORK_LOG_REDACT``, default password, secret, token, card_number);
+    a body that is not JSON is shown as text, or as ``body_hex`` when it is not UTF-8."""
+    redacted = redacted_json(body)
+    if redacted is not None:
+        return {"body": redacted}
+    try:
+        return {"body": body.decode()}
+    except UnicodeDecodeError:
+        return {"body": None, "body_hex": body.hex()}
 
 
 def _s(fields: dict[bytes, bytes], name: str) -> str:
@@ -86,13 +100,9 @@ class DeadLetter:
         )
 
     def to_json(self) -> dict[str, Any]:
-        """Plain data (body as text when it is UTF-8, else hex)."""
+        """Plain data; the body as :func:`body_view` shows it (secret fields redacted)."""
         data = attrs.asdict(self)
-        try:
-            data["body"] = self.body.decode()
-        except UnicodeDecodeError:
-            data["body_hex"] = self.body.hex()
-            data["body"] = None
+        data.update(body_view(self.body))
         for name in ("first_failed_at", "dead_at"):
             data[name] = data[name].isoformat() if data[name] else None
         return data

@@ -39,6 +39,8 @@ __all__ = [
     "enter",
     "leave",
     "loggable_body",
+    "redact_names",
+    "redacted_json",
 ]
 
 DEFAULT_REDACT = ("password", "secret", "token", "card_number")
@@ -112,6 +114,12 @@ def body_logging() -> frozenset[str] | None:
     debug lines, or None when bodies are not logged (the default)."""
     if os.environ.get("FRAMEWORK_LOG_BODIES", "").strip().lower() not in ("1", "true", "yes", "on"):
         return None
+    return redact_names()
+
+
+def redact_names() -> frozenset[str]:
+    """The (lower-cased) secret field names every view of a body redacts: ``FRAMEWORK_LOG_REDACT``
+    (comma-separated), else :data:`DEFAULT_REDACT`."""
     raw = os.environ.get("FRAMEWORK_LOG_REDACT")
     names = DEFAULT_REDACT if raw is None else tuple(n for n in raw.split(","))
     return frozenset(n.strip().lower() for n in names if n.strip())
@@ -123,6 +131,16 @@ def _redacted(value: Any, names: frozenset[str]) -> Any:
     if isinstance(value, list):
         return [_redacted(v, names) for v in value]
     return value
+
+
+def redacted_json(body: bytes, redact: frozenset[str] | None = None) -> str | None:
+    """``body``'s JSON with the secret fields (``redact``, default :func:`redact_names`) replaced by
+    ``"[redacted]"`` at any depth; None when the body is not JSON."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return orjson.dumps(_redacted(value, redact_names() if redact is None else redact)).decode()
 
 
 def loggable_body(body: bytes, redact: frozenset[str]) -> str:

@@ -39,10 +39,11 @@ import anyio.lowlevel
 import orjson
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from broker import Broker, ConfigurationError, DestinationSpec, Envelope, Kind, validate_name
+from broker import Broker, Envelope, Kind
 from framework.logs import get_logger
 from framework.observability import hooks
 from framework.outbox import _statements as statements
+from framework.outbox.refusals import refusal
 from framework.outbox.schema import NOTIFY_CHANNEL
 from framework.sql import libpq_url, redact_url
 
@@ -225,18 +226,11 @@ class OutboxRelay:
         for destination, kind in {(e.destination, e.kind) for e in envelopes}:
             if (destination, kind) in self._accepted:
                 continue
-            try:
-                validate_name("destination", destination)
-                if destination in specs:
-                    await self.broker.declare(DestinationSpec.from_json(orjson.loads(specs[destination])))
-                declared = await self.broker.get_destination(destination)
-                if declared is not None and declared.kind != kind:
-                    noun = "a queue (commands)" if declared.kind == "command" else "a topic (events)"
-                    raise ConfigurationError(f"{destination!r} is declared as {noun}, but this message is a {kind}")
-            except (ConfigurationError, ValueError, TypeError) as exc:
-                out[(destination, kind)] = str(exc)
-            else:
+            reason = await refusal(self.broker, destination, kind, specs.get(destination))
+            if reason is None:
                 self._accepted.add((destination, kind))
+            else:
+                out[(destination, kind)] = reason
         return out
 
     # -- housekeeping -------------------------------------------------------------------------
