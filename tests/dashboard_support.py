@@ -6,6 +6,7 @@ import concurrent.futures
 import os
 import shutil
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,14 @@ from broker import connect
 from framework.operations import DeadLetterFilter, page
 
 ROOT = Path(__file__).resolve().parent.parent
-SHOTS = ROOT / "docs" / "img"
+SHOTS = (
+    Path(os.environ["FRAMEWORK_SCREENSHOTS"])
+    if os.environ.get("FRAMEWORK_SCREENSHOTS")
+    else Path(tempfile.mkdtemp(prefix="dashboard-shots-"))
+)
+"""Where the tests write their screenshots: ``$FRAMEWORK_SCREENSHOTS`` (``docs/img`` to refresh
+docs/dashboard.md's pictures: ``FRAMEWORK_SCREENSHOTS=docs/img make test``), else a temporary folder,
+so a test run leaves the checkout as it was."""
 CHROMIUM = os.environ.get("FRAMEWORK_CHROMIUM", "/usr/bin/chromium")
 
 

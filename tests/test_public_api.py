@@ -29,6 +29,8 @@ PUBLIC = {
         "Service",
         "Queue",
         "Topic",
+        "UnknownDestination",
+        "NewDestinationWarning",
         "Context",
         "HandlerError",
         "Filter",
@@ -85,7 +87,7 @@ PUBLIC = {
         "temporary_database",
         "unique_namespace",
     },
-    "framework.dead_letters": {"DeadLetter", "DeadLetters"},
+    "framework.dead_letters": {"DeadLetter", "DeadLetters", "body_view"},
     "framework.scheduling": {"Job", "ScheduleError", "Tick", "cancel", "due_ms", "scheduled"},
     "framework.saga": {"MAX_CONFLICTS", "SAGA_INPUT", "Saga", "SagaContext", "SagaError", "SagaRetryPolicy"},
     "framework.outbox": {

@@ -3,7 +3,8 @@
 A poison message shows under its group with its reason; a redrive from the page makes the fixed
 handler process it; a bulk purge removes exactly the entries the page showed, not one that came
 after; a read-only dashboard refuses every action; a request without the token is refused off
-loopback; a cross-origin POST is refused. The tests write the screenshots of docs/dashboard.md.
+loopback; a cross-origin POST is refused. The tests take the screenshots of docs/dashboard.md
+(written to docs/img only with FRAMEWORK_SCREENSHOTS=docs/img).
 """
 
 from __future__ import annotations
