@@ -31,7 +31,7 @@ demo: $(VENV)/.core
 chromium:
 	@if [ -x /usr/bin/chromium ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get install -y chromium >/dev/null || { apt-get update >/dev/null && apt-get install -y chromium >/dev/null; }; \
+		export DEBIAN_FRONTEND=noninteractive; apt-get install -y chromium >/dev/null || { apt-get update >/dev/null && apt-get install -y chromium >/dev/null; }; \
 	else echo "make: no /usr/bin/chromium and not root: the dashboard's browser tests will skip (run: sudo apt-get install chromium)"; fi
 
 test: $(VENV)/.all chromium
