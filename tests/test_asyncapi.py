@@ -402,3 +402,33 @@ def _refund_handler(model: type) -> Any:
 
     refund.__annotations__ = {"request": model, "return": None}
     return refund
+
+
+def test_the_dashboard_serves_the_contract_under_its_content_security_policy(redis_url: str) -> None:
+    """``framework dashboard --services ...`` (here ``create_app(services=...)``) serves the page at
+    /asyncapi with its stylesheet from its own origin (no inline style the CSP would block), the document
+    at /asyncapi.json (valid), and says how to give services when it has none."""
+    from starlette.testclient import TestClient
+
+    from framework.cli.run import load_services
+    from framework.dashboard import create_app
+
+    token = "t" * 24
+    auth = {"Authorization": f"Bearer {token}"}
+    services = load_services(["example_services.quickstart"])
+    app = create_app(redis_url, f"contract-{os.getpid()}", token=token, services=services)
+    with TestClient(app) as client:
+        page = client.get("/asyncapi", headers=auth)
+        assert page.status_code == 200, page.text
+        csp = page.headers["content-security-policy"]
+        assert "style-src 'self'" in csp and "unsafe-inline" not in csp, csp
+        assert "<style" not in page.text and 'href="/asyncapi.css"' in page.text
+        doc = client.get("/asyncapi.json", headers=auth).json()
+        assert_valid(doc)
+        for channel in doc["channels"].values():
+            assert channel["address"] in page.text
+        css = client.get("/asyncapi.css", headers=auth)
+        assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+    with TestClient(create_app(redis_url, f"contract-{os.getpid()}", token=token)) as client:
+        none = client.get("/asyncapi", headers=auth)
+        assert none.status_code == 404 and "--services" in none.text

@@ -2,8 +2,8 @@
 
 The page lists the channels, the operations and the messages with their payload schemas as
 collapsible tables (``<details>``), and the document itself as JSON at the end. It loads nothing
-from the network, so it opens offline and behind a strict content security policy; the dashboard
-will serve the same page.
+from the network, so it opens offline; the dashboard serves the same page at ``/asyncapi`` with its
+CSS linked from its own origin (``css_href``), under its strict content security policy.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["render_html"]
+__all__ = ["render_html", "stylesheet"]
 
 _CSS = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
@@ -32,8 +32,15 @@ pre{background:#0f172a;color:#e2e8f0;padding:12px;border-radius:6px;overflow:aut
 """
 
 
-def render_html(document: dict[str, Any]) -> str:
-    """The page of ``document`` (an AsyncAPI 3.0 dict as :func:`~framework.asyncapi.build_document` gives)."""
+def stylesheet() -> str:
+    """The page's CSS (inlined by :func:`render_html` unless it is given a stylesheet address)."""
+    return _CSS
+
+
+def render_html(document: dict[str, Any], *, css_href: str | None = None) -> str:
+    """The page of ``document`` (an AsyncAPI 3.0 dict as :func:`~framework.asyncapi.build_document` gives):
+    self-contained, or linking ``css_href`` for :func:`stylesheet` (a page served under a Content-Security-Policy
+    that forbids inline styles, as the dashboard's)."""
     info = document.get("info", {})
     components = document.get("components", {})
     title = escape(str(info.get("title", "AsyncAPI")))
@@ -41,7 +48,9 @@ def render_html(document: dict[str, Any]) -> str:
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{title}</title><style>{_CSS}</style></head><body><main>",
+        f"<title>{title}</title>"
+        + (f'<link rel="stylesheet" href="{escape(css_href)}">' if css_href else f"<style>{_CSS}</style>")
+        + "</head><body><main>",
         f"<h1>{title} <span class='muted'>{escape(str(info.get('version', '')))}</span></h1>",
         f"<p class='muted'>AsyncAPI {escape(str(document.get('asyncapi', '')))}</p>",
     ]

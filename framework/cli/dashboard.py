@@ -14,6 +14,7 @@ from typing import Any
 
 from framework.cli.args import positive_int
 from framework.cli.common import UsageError, connection_options
+from framework.cli.run import load_services
 
 __all__ = ["register"]
 
@@ -37,7 +38,15 @@ def serve(args: argparse.Namespace) -> int:
         )
     if token is not None and len(token) < 16:
         raise UsageError("the access token is too short: use at least 16 characters (e.g. `openssl rand -hex 24`)")
-    app = create_app(args.redis_url, args.namespace, actions=args.actions, token=token, database_url=args.database_url)
+    services = load_services(args.services) if args.services else []
+    app = create_app(
+        args.redis_url,
+        args.namespace,
+        actions=args.actions,
+        token=token,
+        database_url=args.database_url,
+        services=services,
+    )
     where = f"http://{args.host}:{args.port}/"
     print(f"dashboard on {where} ({'actions enabled' if args.actions else 'read-only'})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
@@ -59,6 +68,13 @@ def register(sub: Any) -> None:
         "--database-url",
         default=None,
         help="the services' outbox database, for the outbox backlog (default $DATABASE_URL; none: not shown)",
+    )
+    p.add_argument(
+        "--services",
+        nargs="+",
+        metavar="MODULE:SERVICE",
+        default=[],
+        help="services whose AsyncAPI contract the dashboard shows at /asyncapi (as `framework asyncapi` takes them)",
     )
     connection_options(p)
     p.set_defaults(func=serve)

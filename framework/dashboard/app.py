@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,12 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from broker import Broker, connect
-from framework.dashboard import pages, posts
+from framework.dashboard import contract, pages, posts
 from framework.dashboard.context import DashboardState
 from framework.dashboard.jobs import Jobs
 from framework.dashboard.security import Guard
 from framework.dashboard.sparklines import Samples
+from framework.service import Service
 
 __all__ = ["create_app"]
 
@@ -42,13 +43,15 @@ def create_app(
     broker: Broker | None = None,
     trace_url: str | None = None,
     database_url: str | None = None,
+    services: Sequence[Service] = (),
 ) -> Any:
     """The dashboard app (read-only unless ``actions``; without ``token`` it serves loopback only).
 
     ``broker`` uses a connection the caller owns instead of opening one; ``trace_url`` (default
     ``$FRAMEWORK_TRACE_URL``) links trace ids to a tracing UI: ``{trace_id}`` is replaced;
     ``database_url`` (default ``$DATABASE_URL``) is the services' outbox database, whose backlog
-    the overview then shows (needs the ``sql`` extra).
+    the overview then shows (needs the ``sql`` extra); ``services``: their AsyncAPI contract is served at
+    ``/asyncapi`` (and ``/asyncapi.json``).
     """
     templates = jinja2.Environment(
         loader=jinja2.FileSystemLoader(_HERE / "templates"), autoescape=True, undefined=jinja2.StrictUndefined
@@ -60,6 +63,7 @@ def create_app(
         jobs=Jobs(),
         samples=Samples(),
         trace_url=trace_url or os.environ.get("FRAMEWORK_TRACE_URL") or None,
+        services=list(services),
     )
 
     @contextlib.asynccontextmanager
@@ -94,6 +98,9 @@ def create_app(
         Route("/dead-letters/classes", pages.classes_fragment),
         Route("/scheduled", pages.scheduled_page),
         Route("/jobs/{job}", pages.job_page),
+        Route("/asyncapi", contract.asyncapi_page),
+        Route("/asyncapi.json", contract.asyncapi_json),
+        Route("/asyncapi.css", contract.asyncapi_css),
         Route("/dead-letters/confirm", posts.confirm, methods=["POST"]),
         Route("/dead-letters/apply", posts.apply, methods=["POST"]),
         Route("/scheduled/cancel", posts.cancel, methods=["POST"]),

@@ -29,6 +29,7 @@ class DashboardState:
     trace_url: str | None
     outbox_engine: Any = None  # the services' outbox database (an SQLAlchemy async engine), when given
     outbox_note: str | None = None  # why the outbox backlog is not shown
+    services: list[Any] = attrs.field(factory=list)  # framework.Service: their contract at /asyncapi
 
 
 def state(request: Request) -> DashboardState:
