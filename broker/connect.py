@@ -127,7 +127,7 @@ async def _connect_amqp(url: str, namespace: str | None) -> Broker:
 
         schedule, leases = RedisSchedule(inbox), RedisLeases(inbox)
     broker: Broker = await connect_rabbitmq(
-        url, namespace=namespace, inbox=inbox, schedule=schedule, leases=leases, counters=inbox
+        url, namespace=namespace, inbox=inbox, schedule=schedule, leases=leases, counters=inbox, workers=inbox
     )
     return broker
 

@@ -79,3 +79,34 @@ async def test_two_runtimes_share_the_partitions_and_keep_key_order_while_they_m
     for key in keys:
         assert seen[key] == list(range(41)), f"key {key}: {seen[key]} (lost, doubled or out of order)"
     assert done["a"] > 0 and done["b"] > 0, f"one runtime did all the work: {done}"
+
+
+async def test_status_shows_live_workers_on_rabbitmq_from_heartbeats_beside_it(
+    rabbitmq_url: str, redis_url: str
+) -> None:
+    """A running worker is listed live under its group (its heartbeat in the Redis beside RabbitMQ), and
+    gone once it stopped: ``framework status --json``'s ``live_workers`` on RabbitMQ as on Redis."""
+    from framework.operations.overview import load_overview
+
+    svc = Service("rlive")
+
+    @svc.command("rlive.jobs")
+    async def job(cmd: dict[str, int]) -> None: ...
+
+    url = f"{rabbitmq_url}?inbox={quote(redis_url, safe='')}"
+    async with ServiceHarness([svc], url=url, namespace=f"rlive-{uuid.uuid4().hex[:8]}") as h:
+        runtime = h.runtime
+        assert runtime is not None
+        with anyio.fail_after(10):
+            while True:
+                overview = await load_overview(h.broker)
+                live = overview.live_for("rlive.jobs", "rlive")
+                if live:
+                    break
+                await anyio.sleep(0.1)
+        assert [w.name for w in live] == [runtime.consumer_name], live
+        group = next(g for d in overview.destinations_json() if d["name"] == "rlive.jobs" for g in d["groups"])
+        assert group["live_workers"] == 1, group
+        await h.stop()
+        after = await load_overview(h.broker)
+        assert after.live_for("rlive.jobs", "rlive") == [], "a stopped worker is still counted live"

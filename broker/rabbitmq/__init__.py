@@ -54,7 +54,7 @@ from broker.rabbitmq.connection import open_connection, split_url
 from broker.rabbitmq.core import is_closed_error
 from broker.rabbitmq.inbox import SideInbox
 from broker.rabbitmq.names import Layout
-from broker.rabbitmq.side import SideCounters, SideLeases, SideSchedule
+from broker.rabbitmq.side import SideCounters, SideLeases, SideSchedule, SideWorkers
 from broker.urls import default_namespace, redact
 
 __all__ = ["RabbitBroker", "connect_rabbitmq"]
@@ -78,13 +78,15 @@ async def connect_rabbitmq(
     schedule: SideSchedule | None = None,
     leases: SideLeases | None = None,
     counters: SideCounters | None = None,
+    workers: SideWorkers | None = None,
 ) -> RabbitBroker:
     """Connect to the RabbitMQ server ``url`` names and declare the namespace's exchanges; raise
     :class:`BrokerUnavailable` in one line saying what to do (never hang: every step is bounded).
     ``inbox``: the inbox's store (the broker then declares ``inbox``; it closes the store with itself);
     ``schedule``: the scheduled messages' store (the broker then declares ``scheduling``); ``leases``: the
     partition leases' store (``ownership``: balance over workers); ``counters``: named counters beside the
-    server (the registry's version: the registry stream is re-read only after a change)."""
+    server (the registry's version: the registry stream is re-read only after a change); ``workers``: worker
+    heartbeats beside the server (``workers``: live workers in ``framework status``)."""
     client_url, options = split_url(url)
     timeout = float(options.get("timeout", 10.0))
     where = redact(url)
@@ -98,6 +100,7 @@ async def connect_rabbitmq(
         schedule=schedule,
         leases=leases,
         counters=counters,
+        workers=workers,
         **options,
     )
     try:

@@ -13,15 +13,16 @@ from typing import Any
 import aio_pika.abc
 
 from broker.capabilities import DEAD_LETTER_ADMIN, INBOX, INTROSPECTION, OWNERSHIP, REPLIES, SCHEDULING
+from broker.operators import WORKERS
 from broker.rabbitmq.inbox import SideInbox
-from broker.rabbitmq.ownership import Ownership
+from broker.rabbitmq.presence import Presence
 from broker.rabbitmq.replies import Replies
-from broker.rabbitmq.side import SideCounters, SideLeases, SideSchedule
+from broker.rabbitmq.side import SideCounters, SideLeases, SideSchedule, SideWorkers
 
 __all__ = ["RabbitBroker"]
 
 
-class RabbitBroker(Ownership, Replies):
+class RabbitBroker(Presence, Replies):
     """Broker on a RabbitMQ server (3.10 or newer). Use :func:`broker.rabbitmq.connect_rabbitmq` (or
     ``broker.connect("amqp://...")``) to build one.
 
@@ -30,7 +31,8 @@ class RabbitBroker(Ownership, Replies):
     it was given an inbox store (``inbox``, a :class:`~broker.rabbitmq.inbox.SideInbox`: the Redis
     inbox from :func:`broker.connect`), and ``scheduling`` when it was given a schedule store (``schedule``,
     a :class:`~broker.rabbitmq.side.SideSchedule`: the Redis one beside the inbox), and ``ownership`` when
-    it was given partition leases (``leases``: the Redis ones beside the inbox; they balance, not fence);
+    it was given partition leases (``leases``: the Redis ones beside the inbox; they balance, not fence), and
+    ``workers`` when it was given a heartbeat store (``workers``);
     no ``state`` or ``redis``.
     """
 
@@ -50,6 +52,7 @@ class RabbitBroker(Ownership, Replies):
         schedule: SideSchedule | None = None,
         leases: SideLeases | None = None,
         counters: SideCounters | None = None,
+        workers: SideWorkers | None = None,
         **options: Any,
     ) -> None:
         super().__init__(connection, **options)
@@ -57,11 +60,14 @@ class RabbitBroker(Ownership, Replies):
         self.side_schedule = schedule
         self.side_leases = leases
         self.side_counters = counters
+        self.side_workers = workers
         extra = {INBOX} if inbox is not None else set()  # per instance: the class declares what every one has
         if schedule is not None:
             extra.add(SCHEDULING)
         if leases is not None:
             extra.add(OWNERSHIP)
+        if workers is not None:
+            extra.add(WORKERS)
         self.capabilities = frozenset({*self.capabilities, *extra})
         self._ready = set()
         self._chain_ready = False

@@ -8,15 +8,16 @@ store hands due messages and fired ticks to it and forgets them only after it re
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
 
 from broker.envelope import Envelope
+from broker.operators import WorkerBeat
 from broker.protocol import GroupPartition
 from broker.scheduling import MoveResult, ScheduledMessage
 from broker.topology import DestinationSpec
 
-__all__ = ["Forward", "SideCounters", "SideLeases", "SideSchedule"]
+__all__ = ["Forward", "SideCounters", "SideLeases", "SideSchedule", "SideWorkers"]
 
 Forward = Callable[[Sequence[Envelope]], Awaitable[None]]
 """Publishes envelopes to the server, confirmed (raises when it could not)."""
@@ -96,4 +97,22 @@ class SideCounters(Protocol):
 
     async def bump(self, name: str) -> int:
         """Raise the counter by one; its new value."""
+        ...
+
+
+class SideWorkers(Protocol):
+    """Worker processes' heartbeats kept beside the server (``framework status``'s live workers)."""
+
+    async def beat_worker(
+        self, name: str, groups: Sequence[tuple[str, str]], ttl_ms: int, info: Mapping[str, str]
+    ) -> None:
+        """Record that worker ``name`` runs now, consuming ``groups``."""
+        ...
+
+    async def leave_worker(self, name: str) -> None:
+        """Mark worker ``name`` gone now."""
+        ...
+
+    async def workers(self) -> list[WorkerBeat]:
+        """Every worker recorded, by name."""
         ...

@@ -24,7 +24,7 @@ A server that cannot be reached is one line naming it and saying how to start on
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -32,6 +32,7 @@ import anyio
 from broker.envelope import now_ms
 from broker.errors import BrokerUnavailable
 from broker.introspection import InboxMemory
+from broker.operators import WorkerBeat
 from broker.protocol import Delivery, GroupPartition
 from broker.redis.broker import RedisBroker
 from broker.redis.keys import inbox_records
@@ -86,6 +87,20 @@ class RedisInbox:
         """Raise the named counter by one; its new value."""
         broker = await self._redis()
         return int(await broker.redis.incr(f"{self.namespace}:counter:{name}"))
+
+    async def beat_worker(
+        self, name: str, groups: Sequence[tuple[str, str]], ttl_ms: int, info: Mapping[str, str]
+    ) -> None:
+        """A worker's heartbeat in the Redis beside the other transport (``SideWorkers``), as on Redis."""
+        await (await self._redis()).beat_worker(name, groups, ttl_ms, info)
+
+    async def leave_worker(self, name: str) -> None:
+        """Mark worker ``name`` gone now."""
+        await (await self._redis()).leave_worker(name)
+
+    async def workers(self) -> list[WorkerBeat]:
+        """Every worker recorded beside the other transport, by name."""
+        return await (await self._redis()).workers()
 
     async def redis_broker(self) -> RedisBroker:
         """The Redis broker behind the inbox, connected on first use (the schedule beside it shares it)."""
