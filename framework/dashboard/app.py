@@ -50,8 +50,8 @@ def create_app(
     ``broker`` uses a connection the caller owns instead of opening one; ``trace_url`` (default
     ``$FRAMEWORK_TRACE_URL``) links trace ids to a tracing UI: ``{trace_id}`` is replaced;
     ``database_url`` (default ``$DATABASE_URL``) is the services' outbox database, whose backlog
-    the overview then shows, with an Outbox page of refused rows (needs the ``sql`` extra); ``services``: their AsyncAPI contract is served at
-    ``/asyncapi`` (and ``/asyncapi.json``).
+    the overview then shows, with an Outbox page of refused rows (needs the ``sql`` extra);
+    ``services``: their AsyncAPI contract is served at ``/asyncapi`` (and ``/asyncapi.json``).
     """
     templates = jinja2.Environment(
         loader=jinja2.FileSystemLoader(_HERE / "templates"), autoescape=True, undefined=jinja2.StrictUndefined
