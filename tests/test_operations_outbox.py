@@ -9,6 +9,7 @@ import pytest
 import structlog.testing
 from sqlalchemy import select
 
+from broker.capabilities import as_dead_letter_admin
 from broker.redis import RedisBroker
 from framework import Queue, outbox
 from framework.operations.outbox import discard_refused, refused_outbox, retry_refused
@@ -57,4 +58,11 @@ async def test_refused_rows_are_listed_retried_and_discarded_only_by_the_ids_nam
     audits = {e["action"]: e for e in logged if e.get("who") == "ops@test"}
     assert audits["outbox.retry"]["still_refused"] == 1 and audits["outbox.retry"]["ids"] == [bad1]
     assert audits["outbox.discard"]["discarded"] == 1 and audits["outbox.discard"]["ids"] == [bad2, waiting]
+
+    # the operator fixes the cause (the queue goes): the same retry now puts the row back in line
+    await as_dead_letter_admin(broker).delete_destination(Queue("opo.jobs").spec(), force=True)
+    broker._specs.clear()
+    result = await retry_refused(engine, broker, [bad1], who="ops@test")
+    assert result.requeued == 1 and not result.still_refused
+    assert (await _states(engine))[bad1] is None and (await refused_outbox(engine))[1] == 0
     await engine.dispose()
