@@ -364,3 +364,97 @@ def test_a_killed_worker_is_shown_gone_once_its_heartbeat_lapses(
     wait_for(lambda: [w["alive"] for w in workers_seen()] == [False], 10, "the killed worker to show as gone")
     table = run_cli("status", "dash.charges", env={**env, "COLUMNS": "200"})
     assert re.search(r"payments\s*│\s*0\s*│", table.stdout), table.stdout  # live workers: 0
+
+
+def _in_thread(fn: Any) -> Any:
+    """Run an async function to completion off Playwright's loop (its sync API runs one in this thread)."""
+    import concurrent.futures
+
+    import anyio
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(anyio.run, fn).result()
+
+
+def _refuse(url: str, redis_url: str, namespace: str, body: dict[str, Any]) -> str:
+    """Stage an event to a name declared as a queue and let the relay refuse it; its message id."""
+    from broker import connect
+    from framework import Queue, outbox
+
+    async def go() -> str:
+        engine = outbox.create_engine(url)
+        broker = await connect(redis_url, namespace=namespace)
+        try:
+            await outbox.create_tables(engine)
+            await broker.declare(Queue("dash.jobs").spec())
+            async with engine.begin() as conn:
+                message_id = await outbox.add_event(conn, "dash.jobs", body)
+            await outbox.OutboxRelay(engine, broker).drain()
+            return str(message_id)
+        finally:
+            await broker.close()
+            await engine.dispose()
+
+    return str(_in_thread(go))
+
+
+def _outbox_errors(url: str) -> dict[str, str | None]:
+    from sqlalchemy import select
+
+    from framework import outbox
+
+    async def go() -> dict[str, str | None]:
+        engine = outbox.create_engine(url)
+        try:
+            async with engine.connect() as conn:
+                t = outbox.outbox_table
+                rows = (await conn.execute(select(t.c.message_id, t.c.error))).all()
+        finally:
+            await engine.dispose()
+        return {r.message_id: r.error for r in rows}
+
+    return dict(_in_thread(go))
+
+
+def test_a_refused_outbox_row_is_discarded_from_the_page_and_not_one_refused_after(
+    browser: Any, serve: Any, redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'outbox.db'}"
+    first = _refuse(url, redis_url, namespace, {"n": 1, "token": "s3cret"})
+    app = serve(actions=True, database_url=url)
+    page = browser.new_page(viewport={"width": 1300, "height": 800})
+    page.goto(app.url + "/")
+    page.locator("nav a", has_text="Outbox").click()
+    row = page.locator(f'#refused tr[data-message-id="{first}"]')
+    assert "declared as a queue" in row.inner_text() and "dash.jobs" in row.inner_text()
+    assert "s3cret" not in page.content() and "[redacted]" in row.inner_text()
+    later = _refuse(url, redis_url, namespace, {"n": 2})  # refused after the page loaded: not ticked, not shown
+    row.locator('input[name="ids"]').check()
+    page.locator("#discard-selected").click()
+    assert page.locator("#count").get_attribute("data-count") == "1"
+    page.screenshot(path=str(SHOTS / "dashboard-outbox-confirm.png"), full_page=True)
+    with structlog.testing.capture_logs() as logged:
+        page.locator("#confirm").click()
+        page.wait_for_selector("#notice")
+    assert "1 of 1 discarded" in page.locator("#notice").inner_text()
+    [entry] = [e for e in logged if e.get("action") == "outbox.discard"]  # the audit log: who and what
+    assert entry["who"] == "anonymous@127.0.0.1" and entry["discarded"] == 1 and entry["ids"] == [first]
+    states = _outbox_errors(url)
+    assert first not in states and "declared as a queue" in (states[later] or "")
+
+    # retry from the page: the broker would refuse it again at once, so it stays and the page says so
+    page.locator(f'#refused tr[data-message-id="{later}"] button[name="retry_one"]').click()
+    assert page.locator("#count").get_attribute("data-count") == "1"
+    page.locator("#confirm").click()
+    page.wait_for_selector("#notice")
+    assert "0 of 1 put back in line; 1 stay refused" in page.locator("#notice").inner_text()
+    assert _outbox_errors(url)[later] is not None
+
+    read_only = serve(database_url=url)
+    html = httpx.get(read_only.url + "/outbox").text
+    assert later in html and "discard_one" not in html and "discard-selected" not in html and "retry_one" not in html
+    form = {"action": "discard", "ids": later, "csrf": _csrf(html)}
+    for path in ("/outbox/confirm", "/outbox/apply"):
+        r = httpx.post(read_only.url + path, data=form, headers={"origin": read_only.url})
+        assert r.status_code == 403 and "read-only" in r.text, (path, r.status_code, r.text)
+    assert later in _outbox_errors(url)

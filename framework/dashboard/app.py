@@ -22,7 +22,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from broker import Broker, connect
-from framework.dashboard import contract, pages, posts
+from framework.dashboard import contract, outbox_pages, pages, posts
 from framework.dashboard.context import DashboardState
 from framework.dashboard.jobs import Jobs
 from framework.dashboard.security import Guard
@@ -50,8 +50,8 @@ def create_app(
     ``broker`` uses a connection the caller owns instead of opening one; ``trace_url`` (default
     ``$FRAMEWORK_TRACE_URL``) links trace ids to a tracing UI: ``{trace_id}`` is replaced;
     ``database_url`` (default ``$DATABASE_URL``) is the services' outbox database, whose backlog
-    the overview then shows (needs the ``sql`` extra); ``services``: their AsyncAPI contract is served at
-    ``/asyncapi`` (and ``/asyncapi.json``).
+    the overview then shows, with an Outbox page of refused rows (needs the ``sql`` extra);
+    ``services``: their AsyncAPI contract is served at ``/asyncapi`` (and ``/asyncapi.json``).
     """
     templates = jinja2.Environment(
         loader=jinja2.FileSystemLoader(_HERE / "templates"), autoescape=True, undefined=jinja2.StrictUndefined
@@ -104,6 +104,9 @@ def create_app(
         Route("/dead-letters/confirm", posts.confirm, methods=["POST"]),
         Route("/dead-letters/apply", posts.apply, methods=["POST"]),
         Route("/scheduled/cancel", posts.cancel, methods=["POST"]),
+        Route("/outbox", outbox_pages.outbox_page),
+        Route("/outbox/confirm", outbox_pages.outbox_confirm, methods=["POST"]),
+        Route("/outbox/apply", outbox_pages.outbox_apply, methods=["POST"]),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

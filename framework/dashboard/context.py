@@ -54,6 +54,7 @@ def render(request: Request, template: str, status: int = 200, **context: Any) -
         base=request.scope.get("root_path", ""),
         csrf=guard.csrf(request),
         actions=st.actions,
+        has_outbox=st.outbox_engine is not None,
         namespace=broker_of(request).namespace,
         request=request,
         **context,

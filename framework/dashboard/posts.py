@@ -17,12 +17,13 @@ from framework.dashboard.pages import filter_of, filter_params
 from framework.dashboard.security import Guard, form_data
 from framework.operations import ActionResult, cancel_scheduled, frozen_refs, purge, redrive
 
-__all__ = ["apply", "cancel", "confirm"]
+__all__ = ["apply", "cancel", "checked_form", "confirm"]
 
 _ACTIONS = ("redrive", "purge")
 
 
-async def _checked(request: Request) -> tuple[Guard, dict[str, list[str]]] | Response:
+async def checked_form(request: Request) -> tuple[Guard, dict[str, list[str]]] | Response:
+    """The guard and the form of a POST the guard lets through, else its refusal (read-only, CSRF...)."""
     guard: Guard = request.scope["state"]["guard"]
     refused = await guard.check_post(request)
     if refused is not None:
@@ -45,7 +46,7 @@ async def _frozen_set(request: Request, form: dict[str, list[str]]) -> tuple[lis
 
 async def confirm(request: Request) -> Response:
     """Count what a redrive or purge would act on, and ask."""
-    checked = await _checked(request)
+    checked = await checked_form(request)
     if isinstance(checked, Response):
         return checked
     _, form = checked
@@ -63,7 +64,7 @@ async def confirm(request: Request) -> Response:
 
 async def apply(request: Request) -> Response:
     """Run a confirmed redrive or purge on the frozen set, as a job; go to its progress page."""
-    checked = await _checked(request)
+    checked = await checked_form(request)
     if isinstance(checked, Response):
         return checked
     guard, form = checked
@@ -88,7 +89,7 @@ async def apply(request: Request) -> Response:
 
 async def cancel(request: Request) -> Response:
     """Cancel one scheduled message before it is delivered."""
-    checked = await _checked(request)
+    checked = await checked_form(request)
     if isinstance(checked, Response):
         return checked
     guard, form = checked

@@ -6,6 +6,8 @@
   classes (handler, exception type, reason), frozen bounds for bulk actions;
 * :mod:`~framework.operations.actions`: redrive, purge (exactly the refs named), cancel a
   scheduled message, each written to the audit log;
+* :mod:`~framework.operations.outbox`: the outbox backlog, refused rows retried or discarded by
+  message id (audited; needs the ``sql`` extra, imported on use);
 * :mod:`~framework.operations.redaction`: secret fields out of bodies before a screen shows them.
 """
 
