@@ -116,16 +116,24 @@ async def charge(order: OrderPlaced, ctx: Context) -> None:
         if not await _claim(conn, order.order_id, "declined" if declined else "charged", order.amount_cents):
             return  # voided by a refund that overtook this event: never charge it
         if declined:
-            await conn.execute(text("UPDATE billing_payments SET reason = :r WHERE order_id = :o"),
-                               {"r": declined, "o": order.order_id})
-            ctx.publish(PAYMENTS_FAILED, PaymentFailed(order.order_id, f"card declined: {declined}", order.sku),
-                        key=order.order_id)
+            await conn.execute(
+                text("UPDATE billing_payments SET reason = :r WHERE order_id = :o"),
+                {"r": declined, "o": order.order_id},
+            )
+            ctx.publish(
+                PAYMENTS_FAILED,
+                PaymentFailed(order.order_id, f"card declined: {declined}", order.sku),
+                key=order.order_id,
+            )
             return
         await conn.execute(
-            insert(db.charges).values(order_id=order.order_id, amount_cents=order.amount_cents,
-                                      card_last4=order.card[-4:])
+            insert(db.charges).values(
+                order_id=order.order_id, amount_cents=order.amount_cents, card_last4=order.card[-4:]
+            )
         )
-        ctx.publish(PAYMENTS_CAPTURED, PaymentCaptured(order.order_id, order.amount_cents, order.sku), key=order.order_id)
+        ctx.publish(
+            PAYMENTS_CAPTURED, PaymentCaptured(order.order_id, order.amount_cents, order.sku), key=order.order_id
+        )
 
 
 @billing.command(REFUND_PAYMENT)
@@ -136,8 +144,10 @@ async def refund(cmd: RefundPayment, ctx: Context) -> None:
             return
         row = (
             await conn.execute(
-                text("UPDATE billing_payments SET state = 'refunded', reason = :r "
-                     "WHERE order_id = :o AND state = 'charged' RETURNING amount_cents"),
+                text(
+                    "UPDATE billing_payments SET state = 'refunded', reason = :r "
+                    "WHERE order_id = :o AND state = 'charged' RETURNING amount_cents"
+                ),
                 {"o": cmd.order_id, "r": cmd.reason},
             )
         ).first()

@@ -72,8 +72,10 @@ async def release(cmd: ReleaseStock, ctx: Context) -> None:
             return
         row = (
             await conn.execute(
-                text("UPDATE inventory_reservations SET state = 'released' "
-                     "WHERE order_id = :o AND state = 'reserved' RETURNING sku, qty"),
+                text(
+                    "UPDATE inventory_reservations SET state = 'released' "
+                    "WHERE order_id = :o AND state = 'reserved' RETURNING sku, qty"
+                ),
                 params,
             )
         ).first()

@@ -94,8 +94,12 @@ def create_app(database_url: str | None = None) -> Starlette:
             async with engine.begin() as conn:  # the row and its event: both or neither
                 await conn.execute(
                     insert(db.orders).values(
-                        id=event.order_id, customer=event.customer, sku=event.sku, qty=event.qty,
-                        amount_cents=event.amount_cents, status="placed",
+                        id=event.order_id,
+                        customer=event.customer,
+                        sku=event.sku,
+                        qty=event.qty,
+                        amount_cents=event.amount_cents,
+                        status="placed",
                     )
                 )
                 await outbox.add_event(conn, ORDERS_PLACED, event, key=event.sku)  # keyed by SKU: inventory's order

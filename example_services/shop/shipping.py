@@ -120,6 +120,5 @@ async def stock_short(event: StockShort, ctx: SagaContext[Fulfilment]) -> None:
 async def timed_out(timeout: FulfilmentTimeout, ctx: SagaContext[Fulfilment]) -> None:
     """Payment or stock never came: undo both, cancel."""
     missing = "payment" if ctx.state.paid_cents is None else "stock"  # the saga exists: one of them came
-    seconds = int(fulfilment_timeout().total_seconds())
-    _cancel(ctx, "timeout", f"{missing} not confirmed within {seconds} s", ctx.state.sku)
-
+    seconds = fulfilment_timeout().total_seconds()
+    _cancel(ctx, "timeout", f"{missing} not confirmed within {seconds:g} s", ctx.state.sku)

@@ -36,7 +36,9 @@ async def test_charges_each_order_once_even_when_delivered_twice(
         await h.client.publish(ORDERS_PLACED, order(1), message_id="evt-1")  # the same event, delivered again
         await h.run_until_idle()
         assert await rows(shop_engine, "SELECT order_id, count(*) FROM billing_charges GROUP BY order_id") == [
-            ("mug-0", 1), ("mug-1", 1), ("mug-2", 1)
+            ("mug-0", 1),
+            ("mug-1", 1),
+            ("mug-2", 1),
         ]
         assert h.stats()["billing.charge"]["duplicates"] == 1
 
@@ -59,13 +61,13 @@ async def test_a_flaky_gateway_is_retried_and_declines_are_published(
         stats = h.stats()["billing.charge"]
         assert stats["retried"] > 0 and stats["dead_lettered"] == 0  # every transient failure got through
         assert len(await rows(shop_engine, "SELECT * FROM billing_charges")) == 19
-        assert await rows(shop_engine, "SELECT order_id, state, reason FROM billing_payments WHERE state != 'charged'") == [
-            ("mug-7", "declined", "insufficient funds")
-        ]
+        assert await rows(
+            shop_engine, "SELECT order_id, state, reason FROM billing_payments WHERE state != 'charged'"
+        ) == [("mug-7", "declined", "insufficient funds")]
     # the events left through the outbox in the charge's transaction
-    assert await rows(shop_engine, "SELECT destination, count(*) FROM framework_outbox_sent GROUP BY destination ORDER BY 1") == [
-        ("payments.captured", 19), ("payments.failed", 1)
-    ]
+    assert await rows(
+        shop_engine, "SELECT destination, count(*) FROM framework_outbox_sent GROUP BY destination ORDER BY 1"
+    ) == [("payments.captured", 19), ("payments.failed", 1)]
 
 
 @pytest.mark.anyio
@@ -98,9 +100,12 @@ async def test_a_refund_gives_money_back_and_a_void_blocks_a_later_charge(
         await h.client.publish(ORDERS_PLACED, order(2))
         await h.run_until_idle()
         assert await rows(shop_engine, "SELECT order_id, state FROM billing_payments ORDER BY 1") == [
-            ("mug-1", "refunded"), ("mug-2", "voided")
+            ("mug-1", "refunded"),
+            ("mug-2", "voided"),
         ]
         assert await rows(shop_engine, "SELECT order_id, amount_cents FROM billing_refunds") == [("mug-1", 1_250)]
         assert await rows(shop_engine, "SELECT order_id FROM billing_charges") == [("mug-1",)]
-    sent = await rows(shop_engine, "SELECT destination, body FROM framework_outbox_sent WHERE destination = 'payments.refunded'")
+    sent = await rows(
+        shop_engine, "SELECT destination, body FROM framework_outbox_sent WHERE destination = 'payments.refunded'"
+    )
     assert [orjson.loads(body) for _, body in sent] == [{"order_id": "mug-1", "amount_cents": 1_250}]
