@@ -132,9 +132,11 @@ async def prepare(engine: AsyncEngine) -> None:
 
 
 async def database_resource(url: str | None = None) -> AsyncIterator[AsyncEngine]:
-    """Body of each service's ``@svc.resource``: one engine per worker process, disposed after the drain."""
+    """Body of each service's ``@svc.resource``: one engine per worker process, disposed after the drain.
+
+    It runs no DDL: create the tables once before starting workers (:func:`prepare`, or
+    ``python -m example_services.shop.db``); DDL racing with live workers can deadlock them."""
     engine = open_engine(url)
-    await prepare(engine)
     try:
         yield engine
     finally:
@@ -149,3 +151,22 @@ async def set_stock(conn: AsyncConnection, levels: dict[str, int]) -> None:
         )
         if changed.rowcount == 0:
             await conn.execute(insert(stock).values(sku=sku, available=available))
+
+
+def main() -> None:
+    """``python -m example_services.shop.db``: create the tables on ``$DATABASE_URL`` (idempotent)."""
+    import anyio
+
+    async def go() -> None:
+        engine = open_engine()
+        try:
+            await prepare(engine)
+        finally:
+            await engine.dispose()
+
+    anyio.run(go)
+    print("the shop's tables are ready")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ shows the order as the other services move it; ``GET /orders`` counts orders per
 The ``orders`` service follows the outcome events (payment, stock, shipped, cancelled) and updates
 the row, each update committed with its inbox record. Run::
 
-    framework outbox migrate
+    python -m example_services.shop.db      # the tables, once (the shop's and the outbox's)
     uvicorn example_services.shop.orders:app --port 8000 &
     framework run example_services.shop.orders:orders &
     curl -X POST localhost:8000/orders -H 'content-type: application/json' \\
@@ -68,14 +68,16 @@ def parse_order(body: Any) -> dict[str, Any]:
     return {**body, "order_id": str(order_id), "amount_cents": db.CATALOGUE[body["sku"]] * qty}
 
 
-def create_app(database_url: str | None = None) -> Starlette:
+def create_app(database_url: str | None = None, *, create_tables: bool = False) -> Starlette:
     """The API; ``database_url`` defaults to ``$DATABASE_URL`` (else SQLite). The broker is not needed:
-    events leave through the outbox."""
+    events leave through the outbox. ``create_tables`` creates the tables at start (tests; in
+    production run ``python -m example_services.shop.db`` once, before the workers)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         engine = db.open_engine(database_url)  # one pool per process, not one per request
-        await db.prepare(engine)
+        if create_tables:
+            await db.prepare(engine)
         try:
             yield {"engine": engine}  # request.state.engine
         finally:

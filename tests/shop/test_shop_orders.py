@@ -23,7 +23,7 @@ from framework.testing import ServiceHarness
 
 
 def test_post_writes_the_order_and_its_event_together(shop_db_url: str) -> None:
-    with TestClient(create_app(shop_db_url)) as http:
+    with TestClient(create_app(shop_db_url, create_tables=True)) as http:
         placed = http.post("/orders", json={"customer": "ada", "sku": "tee", "qty": 2, "card": "4242-4242-4242-4242"})
         assert placed.status_code == 201
         order_id = placed.json()["order_id"]

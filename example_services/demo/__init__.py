@@ -1,0 +1,258 @@
+"""``make demo``: the example shop end to end, on real servers, with workers killed and paused.
+
+Starts the embedded Valkey and PostgreSQL (or uses ``--broker-url`` / ``--database-url``), the
+shop's services as seven worker processes (two billing, two inventory), the outbox relay and the
+HTTP API; places orders through the API while showing live progress; SIGKILLs a billing worker and
+SIGSTOPs an inventory worker past its partition lease halfway; shows what the framework did about
+it (from the workers' own logs and metrics); runs the Spark analytics over the event log; and ends
+with a ledger it asserts: exit status 1 when it does not add up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+from rich.console import Console
+from rich.live import Live
+
+from example_services.demo import live, load
+from example_services.demo.ledger import checks, dead_letters, progress
+from example_services.demo.stack import FULFILMENT_TIMEOUT, LEASE_TTL, DemoError, Stack, running_stack
+from framework.faults import Recovery
+
+console = Console(width=None if sys.stdout.isatty() else 120)
+NAMESPACE = os.environ.get("FRAMEWORK_DEMO_NAMESPACE", "shop-demo")
+
+
+def _bin(tool: str) -> str:
+    """How to run ``tool`` from here: ``.venv/bin/framework`` when it is not on PATH."""
+    folder = Path(sys.executable).parent
+    try:
+        return str(folder.relative_to(Path.cwd()) / tool)
+    except ValueError:
+        return tool
+
+
+async def _workload(stack: Stack, orders: list[load.Order], say: list[str]) -> dict[str, Any]:
+    """Place the orders, watch, inject the faults; return what the ledger needs."""
+    from example_services.shop import db
+
+    accepted: dict[str, load.Order] = {}
+    engine = db.open_engine(stack.database_url)
+    n = len(orders)
+    malformed = await load.send_malformed(stack.broker_url, stack.namespace)
+    placing = max(n / 150, 12.0)  # seconds: a steady stream, so the faults land mid-flow
+    errors: list[str] = []
+    done = anyio.Event()
+    started = time.monotonic()
+
+    async def place() -> None:
+        errors.extend(await load.place_all(stack.api, orders, placing, lambda oid, o: accepted.__setitem__(oid, o)))
+        done.set()
+
+    def note(text: str) -> None:
+        say.append(text)
+        console.print(f"[yellow]{text}[/]")
+
+    killed = paused = False
+    pool = stack.pool
+    last_plain = 0.0
+    snap: dict[str, int] = {}
+    counters: dict[str, dict[str, int]] = {}
+    try:
+        with Live(console=console, refresh_per_second=4, transient=False) as view:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(place)
+                deadline = started + placing + FULFILMENT_TIMEOUT + 120
+                while time.monotonic() < deadline:
+                    async with engine.connect() as conn:
+                        snap = await progress(conn)
+                    counters = await anyio.to_thread.run_sync(pool.counters)
+                    final = sum(snap.get(s, 0) for s in ("shipped", "declined", "cancelled"))
+                    if not killed and snap["charged"] >= 0.3 * n:
+                        pool.kill("billing-2")
+                        killed = True
+                        note(
+                            f"SIGKILL billing-2 at {snap['charged']} charges: what it held stays pending; its "
+                            f"leases expire within {LEASE_TTL:g} s and billing-1 takes its partitions and entries over"
+                        )
+                    if not paused and snap["stock_decided"] >= 0.5 * n:
+                        pool.pause("inventory-2", 2 * LEASE_TTL + 1)
+                        paused = True
+                        note(
+                            f"SIGSTOP inventory-2 for {2 * LEASE_TTL + 1:g} s, past its {LEASE_TTL:g} s lease: "
+                            "inventory-1 takes its partitions over; when it wakes, its leases are gone and its late "
+                            "acks are refused"
+                        )
+                    rate = final / max(time.monotonic() - started, 0.1)
+                    view.update(live.progress_view(n, len(accepted), snap, counters, rate, say))
+                    if not console.is_terminal and time.monotonic() - last_plain > 5:
+                        last_plain = time.monotonic()
+                        print(live.plain_line(len(accepted), snap, counters), flush=True)
+                    if (
+                        done.is_set()
+                        and final == len(accepted)
+                        and snap["emails"] >= len(accepted)
+                        and not snap["outbox"]
+                    ):
+                        break
+                    await anyio.sleep(0.5)
+        took = time.monotonic() - started
+        console.print()
+        console.print(
+            f"workload done in {took:.1f} s ({len(accepted)} orders, {len(accepted) / took:.0f}/s end to end)"
+        )
+        for e in errors[:5]:
+            console.print(f"[red]{e}[/]")
+        return {
+            "accepted": len(accepted),
+            "invalid": sum(1 for o in accepted.values() if o.card == load.INVALID_CARD),
+            "malformed": malformed,
+            "killed": killed,
+            "paused": paused,
+            "counters": await anyio.to_thread.run_sync(pool.counters),
+        }
+    finally:
+        await engine.dispose()
+
+
+def _spark(stack: Stack) -> dict[str, Any]:
+    """Run the analytics job (a separate process: its own JVM); its JSON summary."""
+    out = stack.logs / "lake"
+    started = time.monotonic()
+    env = {**os.environ, "REDIS_URL": stack.broker_url, "FRAMEWORK_NAMESPACE": stack.namespace}
+    env.pop("BROKER_URL", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "example_services.shop.analytics", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if run.returncode != 0 or not run.stdout.strip():
+        raise DemoError(f"the Spark job failed: {(run.stderr or run.stdout).strip().splitlines()[-1:]}")
+    result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    result["seconds"] = time.monotonic() - started
+    return result
+
+
+async def _ledger(
+    stack: Stack, w: dict[str, Any], stock: dict[str, int], spark: dict[str, Any] | None
+) -> tuple[list[Any], dict[str, Any]]:
+    from example_services.shop import db
+
+    dead = await dead_letters(stack.broker_url, stack.namespace)
+    engine = db.open_engine(stack.database_url)
+    try:
+        async with engine.connect() as conn:
+            return await checks(
+                conn,
+                accepted=w["accepted"],
+                invalid_cards=w["invalid"],
+                malformed=w["malformed"],
+                stock=stock,
+                dead=dead,
+                spark_revenue=spark["revenue_cents"] if spark else None,
+            )
+    finally:
+        await engine.dispose()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; 0 when every check of the ledger holds."""
+    console.rule("[bold]framework demo: the example shop, with a worker killed and one paused")
+    orders = load.orders(args.orders)
+    stock = load.stock_for(orders)
+    t0 = time.monotonic()
+    with running_stack(
+        broker_url=args.broker_url, database_url=args.database_url, namespace=NAMESPACE, stock=stock, otlp=args.otlp
+    ) as stack:
+        console.print(
+            f"broker: {stack.broker_url.split('@')[-1]}{'  (embedded Valkey)' if stack.embedded_broker else ''}"
+        )
+        console.print(f"database: {stack.database_note}")
+        console.print(f"7 workers, the outbox relay and the API ({stack.api}); logs in {stack.logs}")
+        say: list[str] = []
+        w = anyio.run(_workload, stack, orders, say)
+        by_worker = {name: Recovery.from_events(stack.pool.events(name)) for name in stack.pool.procs}
+        console.print(live.recovery_table(stack.pool.faults, by_worker, w["counters"]))
+        spark = None
+        if not args.no_spark:
+            console.print("Spark: reading the event log (a JVM starts; about half a minute)...")
+            spark = _spark(stack)
+        result, figures = anyio.run(_ledger, stack, w, stock, spark)
+        console.print(live.outcome_table(figures, w["accepted"]))
+        for group, (d, *_) in figures["dead"].items():
+            console.print(f"a dead letter of {group}: [bold]{d.ref}[/]\n  reason: {d.reason}\n  attempts: {d.attempts}")
+        if spark:
+            for t in live.spark_tables(spark["tables"]):
+                console.print(t)
+            console.print(
+                f"Spark took {spark['seconds']:.0f} s; Parquet: {spark['parquet']}/events (per topic and date), "
+                f"{spark['parquet']}/tables"
+            )
+        faults_ok = w["killed"] and w["paused"]
+        result.append(
+            live.Check("a billing worker killed, an inventory worker paused", "yes" if faults_ok else "no", faults_ok)
+        )
+        console.print(live.ledger_table(result))
+        ok = all(c.ok for c in result)
+        fw = _bin("framework")
+        console.print(
+            f"took {time.monotonic() - t0:.0f} s; "
+            + ("[bold green]the ledger adds up[/]" if ok else "[bold red]the ledger does NOT add up[/]")
+        )
+        console.print(
+            "next:\n"
+            f"  {fw} status --namespace {NAMESPACE}              # destinations, groups, lag, DLQ\n"
+            f"  {fw} dlq list --namespace {NAMESPACE}            # invalid cards and malformed e-mails, with reasons\n"
+            f"  {fw} asyncapi example_services.shop.orders example_services.shop.billing --html -o shop.html\n"
+            f"  {_bin('python')} -m pytest tests/shop                 # each service's tests\n"
+            + (
+                f"  {fw} server stop                                  # stop the embedded Valkey\n"
+                if stack.embedded_broker
+                else ""
+            )
+            + "  (or `source .venv/bin/activate` first, and drop the .venv/bin/ prefix)"
+        )
+        if args.otlp:
+            console.print(f"traces went to {args.otlp} (Jaeger: http://localhost:16686 with `docker compose up`)")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options and run the demo."""
+    parser = argparse.ArgumentParser(prog="python -m example_services.demo", description=__doc__)
+    parser.add_argument("--orders", type=int, default=2000, help="orders to place (default 2000)")
+    parser.add_argument("--no-spark", action="store_true", help="skip the Spark analytics")
+    parser.add_argument(
+        "--broker-url",
+        "--redis-url",
+        dest="broker_url",
+        default=None,
+        help="a Redis/Valkey URL (default: $REDIS_URL, else the embedded Valkey)",
+    )
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help="a PostgreSQL server the demo creates (and drops) its own database on (default: embedded)",
+    )
+    parser.add_argument(
+        "--otlp", default=None, metavar="URL", help="send traces and metrics to this OTLP/HTTP endpoint"
+    )
+    args = parser.parse_args(argv)
+    if args.orders < 20:
+        parser.error("--orders must be at least 20")
+    try:
+        return run(args)
+    except DemoError as exc:
+        console.print(f"[red]demo: {exc}[/]")
+        return 2
