@@ -251,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.orders < 20:
         parser.error("--orders must be at least 20")
+    if args.database_url and not args.database_url.startswith(("postgresql", "postgres:")):
+        console.print(
+            f"[red]demo: --database-url must be a PostgreSQL URL (the demo creates its own database there), "
+            f"not {args.database_url!r}[/]"
+        )
+        return 2
     try:
         return run(args)
     except DemoError as exc:

@@ -1,0 +1,55 @@
+"""``make demo`` as CI runs it: headless (no terminal, no stdin), a small shop, Spark included; its
+ledger must add up, and the faults must have been injected and reported."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+@pytest.mark.fault
+def test_the_demo_runs_headless_and_its_ledger_adds_up(worker_env: dict[str, str], namespace: str) -> None:
+    env = {**worker_env, "FRAMEWORK_DEMO_NAMESPACE": namespace, "CI": "true"}
+    out = subprocess.run(
+        [sys.executable, "-m", "example_services.demo", "--orders", "150"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    text = out.stdout
+    assert out.returncode == 0, text[-4000:] + out.stderr[-3000:]
+    assert "the ledger adds up" in text
+    ledger = text[text.index("ledger") :]
+    for check in (
+        "every order shipped, declined or cancelled",
+        "no card charged twice",
+        "stock never negative",
+        "Spark's revenue = captured payments",
+        "invalid cards in billing's DLQ",
+    ):
+        row = next(line for line in ledger.splitlines() if check in line)
+        assert row.rstrip(" │").endswith("yes"), row
+    assert "NO " not in ledger
+    assert "SIGKILL billing-2" in text and "SIGSTOP inventory-2" in text
+    assert re.search(r"inventory-2 +│ +\d+ │ +\d+ │ +[1-9]", text), "the paused worker's lost leases are reported"
+    assert "Spark: revenue per minute" in text and "/events (per topic and date)" in text
+    assert re.search(r"^  \S*framework status --namespace ", text, flags=re.M)
+
+
+@pytest.mark.slow
+def test_a_wrong_database_url_is_one_line() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "example_services.demo", "--database-url", "sqlite:///x.db", "--no-spark"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "--database-url must be a PostgreSQL URL" in out.stdout
