@@ -124,22 +124,32 @@ async def _workload(stack: Stack, orders: list[load.Order], say: list[str]) -> d
         await engine.dispose()
 
 
-def _spark(stack: Stack) -> dict[str, Any]:
-    """Run the analytics job (a separate process: its own JVM); its JSON summary."""
-    out = stack.logs / "lake"
-    started = time.monotonic()
+def _start_spark(stack: Stack) -> subprocess.Popen[str]:
+    """Start the analytics job now (its own process and JVM); it computes when told (:func:`_spark`)."""
     env = {**os.environ, "REDIS_URL": stack.broker_url, "FRAMEWORK_NAMESPACE": stack.namespace}
     env.pop("BROKER_URL", None)
-    run = subprocess.run(
-        [sys.executable, "-m", "example_services.shop.analytics", "--out", str(out)],
+    return subprocess.Popen(
+        [sys.executable, "-m", "example_services.shop.analytics", "--out", str(stack.logs / "lake"), "--when-told"],
         env=env,
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
     )
-    if run.returncode != 0 or not run.stdout.strip():
-        raise DemoError(f"the Spark job failed: {(run.stderr or run.stdout).strip().splitlines()[-1:]}")
-    result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _spark(job: subprocess.Popen[str]) -> dict[str, Any]:
+    """Tell the analytics job to compute; its JSON summary."""
+    started = time.monotonic()
+    try:
+        out, err = job.communicate("go\n", timeout=300)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        raise DemoError("the Spark job did not finish within 300 s") from None
+    lines = out.strip().splitlines()
+    if job.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        raise DemoError(f"the Spark job failed: {(err or out).strip().splitlines()[-1:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
     result["seconds"] = time.monotonic() - started
     return result
 
@@ -181,13 +191,19 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"database: {stack.database_note}")
         console.print(f"7 workers, the outbox relay and the API ({stack.api}); logs in {stack.logs}")
         say: list[str] = []
-        w = anyio.run(_workload, stack, orders, say)
+        job = None if args.no_spark else _start_spark(stack)  # the JVM starts while the orders flow
+        try:
+            w = anyio.run(_workload, stack, orders, say)
+        except BaseException:
+            if job is not None:
+                job.kill()
+            raise
         by_worker = {name: Recovery.from_events(stack.pool.events(name)) for name in stack.pool.procs}
         console.print(live.recovery_table(stack.pool.faults, by_worker, w["counters"]))
         spark = None
-        if not args.no_spark:
-            console.print("Spark: reading the event log (a JVM starts; about half a minute)...")
-            spark = _spark(stack)
+        if job is not None:
+            console.print("Spark: reading the event log...")
+            spark = _spark(job)
         result, figures = anyio.run(_ledger, stack, w, stock, spark)
         console.print(live.outcome_table(figures, w["accepted"]))
         for group, (d, *_) in figures["dead"].items():
@@ -210,19 +226,18 @@ def run(args: argparse.Namespace) -> int:
             f"took {time.monotonic() - t0:.0f} s; "
             + ("[bold green]the ledger adds up[/]" if ok else "[bold red]the ledger does NOT add up[/]")
         )
-        console.print(
-            "next:\n"
-            f"  {fw} status --namespace {NAMESPACE}              # destinations, groups, lag, DLQ\n"
-            f"  {fw} dlq list --namespace {NAMESPACE}            # invalid cards and malformed e-mails, with reasons\n"
-            f"  {fw} asyncapi example_services.shop.orders example_services.shop.billing --html -o shop.html\n"
-            f"  {_bin('python')} -m pytest tests/shop                 # each service's tests\n"
-            + (
-                f"  {fw} server stop                                  # stop the embedded Valkey\n"
-                if stack.embedded_broker
-                else ""
-            )
-            + "  (or `source .venv/bin/activate` first, and drop the .venv/bin/ prefix)"
-        )
+        tries = [
+            (f"{fw} status --namespace {NAMESPACE}", "destinations, groups, lag, dead letters"),
+            (f"{fw} dlq list --namespace {NAMESPACE}", "the invalid cards and malformed e-mails, with reasons"),
+            (f"{fw} asyncapi example_services.shop.billing --html -o billing.html", "the contract as a page"),
+            (f"{_bin('python')} -m pytest tests/shop", "each service's tests, the fault test among them"),
+        ]
+        if stack.embedded_broker:
+            tries.append((f"{fw} server stop", "stop the embedded Valkey"))
+        width = max(len(cmd) for cmd, _ in tries) + 2
+        console.print("next:\n" + "\n".join(f"  {cmd.ljust(width)}# {why}" for cmd, why in tries), soft_wrap=True)
+        if fw != "framework":
+            console.print("(or `source .venv/bin/activate` first, then drop the .venv/bin/ prefix)")
         if args.otlp:
             console.print(f"traces went to {args.otlp} (Jaeger: http://localhost:16686 with `docker compose up`)")
     return 0 if ok else 1

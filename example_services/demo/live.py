@@ -53,8 +53,9 @@ def recovery_table(faults: list[Fault], by_worker: dict[str, Recovery], counters
     table.add_column("worker")
     for col in ("took over", "claimed", "leases lost", "partitions acquired"):
         table.add_column(col, justify="right")
+    faulted = {f.worker for f in faults}
     for worker, r in sorted(by_worker.items()):
-        if worker.startswith(("billing", "inventory")):
+        if worker in faulted or worker.startswith(("billing", "inventory")) or r.taken_over or r.leases_lost:
             table.add_row(worker, str(r.taken_over), str(r.claimed), str(r.leases_lost), str(r.leases_acquired))
     for f in faults:
         what = "SIGKILL" if f.kind == "SIGKILL" else f"SIGSTOP for {f.seconds:g} s"

@@ -122,20 +122,26 @@ class WorkerPool:
         self._timers: list[threading.Timer] = []
 
     def start(
-        self, target: str | Sequence[str], name: str, *extra: str, metrics: bool = True, **env: str
+        self,
+        target: str | Sequence[str],
+        name: str,
+        *extra: str,
+        metrics: bool = True,
+        env: Mapping[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
-        """Start a worker running ``target`` (``module:service``, or several) as consumer ``name``."""
+        """Start a worker running ``target`` (``module:service``, or several) as consumer ``name``;
+        ``extra`` are more ``framework run`` options, ``env`` more environment variables."""
         targets = [target] if isinstance(target, str) else list(target)
         args = [sys.executable, "-m", "framework", "run", *targets, "--consumer", name, *extra]
         if metrics:
             self.metrics_ports[name] = free_port()
             args += ["--metrics-port", str(self.metrics_ports[name])]
-        return self.spawn(name, args, **env)
+        return self.spawn(name, args, env=env)
 
-    def spawn(self, name: str, args: Sequence[str], **env: str) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, args: Sequence[str], *, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Start any command as a member of the pool (a relay, a web server), logging to ``logs/<name>.log``."""
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
-        proc = subprocess.Popen(list(args), env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(list(args), env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
         log.close()  # the child holds its own descriptor
         self.procs[name] = proc
         return proc

@@ -13,6 +13,7 @@ import pytest
 @pytest.mark.slow
 @pytest.mark.spark
 @pytest.mark.fault
+@pytest.mark.timeout(600)
 def test_the_demo_runs_headless_and_its_ledger_adds_up(worker_env: dict[str, str], namespace: str) -> None:
     env = {**worker_env, "FRAMEWORK_DEMO_NAMESPACE": namespace, "CI": "true"}
     out = subprocess.run(
