@@ -106,6 +106,12 @@ async def _workload(stack: Stack, orders: list[load.Order], say: list[str]) -> d
                         break
                     await anyio.sleep(0.5)
         took = time.monotonic() - started
+        for f in pool.faults:  # a paused worker reports what it found only once it is awake again
+            if f.kind == "SIGSTOP":
+                await anyio.sleep(max(f.at + f.seconds - time.monotonic(), 0))
+                with anyio.move_on_after(10):
+                    while "lost ownership" not in pool.log(f.worker) and pool.alive(f.worker):
+                        await anyio.sleep(0.2)
         console.print()
         console.print(
             f"workload done in {took:.1f} s ({len(accepted)} orders, {len(accepted) / took:.0f}/s end to end)"
