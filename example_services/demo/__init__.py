@@ -218,8 +218,8 @@ def run(args: argparse.Namespace) -> int:
             for t in live.spark_tables(spark["tables"]):
                 console.print(t)
             console.print(
-                f"Spark took {spark['seconds']:.0f} s; Parquet: {spark['parquet']}/events (per topic and date), "
-                f"{spark['parquet']}/tables"
+                f"Spark took {spark['seconds']:.0f} s; Parquet: {spark['parquet']} (per topic and date; read it "
+                f"with spark.read.parquet), the tables in {Path(spark['parquet']).parent / 'tables.json'}"
             )
         faults_ok = w["killed"] and w["paused"]
         result.append(

@@ -43,7 +43,7 @@ def test_the_demo_runs_headless_and_its_ledger_adds_up(worker_env: dict[str, str
     assert {"billing-1", "inventory-1", "inventory-2"} <= set(rows), text[-6000:]
     took_over, _, leases_lost, _ = (sum(col) for col in zip(rows["inventory-1"], rows["inventory-2"], strict=True))
     assert took_over + leases_lost > 0, f"the pause left no trace in the workers' logs: {rows}"
-    assert "Spark: revenue per minute" in text and "/events (per topic and date)" in text
+    assert "Spark: revenue per minute" in text and "/events (per topic and date" in text
     assert re.search(r"^  \S*framework status --namespace ", text, flags=re.M)
 
 
