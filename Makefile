@@ -29,7 +29,7 @@ $(VENV)/.all: $(BIN)/python pyproject.toml
 	@touch $@ $(VENV)/.core $(VENV)/.demo
 
 # CI (CI=true) runs a small shop so the whole run stays well under 3 minutes on 2 cores
-DEMO_ARGS ?= $(if $(filter true 1,$(CI)),--orders 300,)
+DEMO_ARGS ?= $(if $(filter true 1,$(CI)),--orders 200,)
 demo: $(VENV)/.demo
 	$(BIN)/python -m example_services.demo $(DEMO_ARGS)
 
