@@ -244,8 +244,13 @@ def run(args: argparse.Namespace) -> int:
         console.print("next:\n" + "\n".join(f"  {cmd.ljust(width)}# {why}" for cmd, why in tries), soft_wrap=True)
         if fw != "framework":
             console.print("(or `source .venv/bin/activate` first, then drop the .venv/bin/ prefix)")
-        if args.otlp:
-            console.print(f"traces went to {args.otlp} (Jaeger: http://localhost:16686 with `docker compose up`)")
+        where = f"traces and metrics went to {args.otlp}" if args.otlp else "traces: rerun with --otlp URL"
+        console.print(
+            f"{where}; `docker compose up -d otel-collector jaeger prometheus grafana` gives a collector "
+            "(--otlp http://127.0.0.1:4318), Jaeger (http://127.0.0.1:16686) and the Grafana dashboard "
+            "(http://127.0.0.1:3000)",
+            soft_wrap=True,
+        )
     return 0 if ok else 1
 
 

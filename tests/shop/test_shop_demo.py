@@ -47,7 +47,6 @@ def test_the_demo_runs_headless_and_its_ledger_adds_up(worker_env: dict[str, str
     assert re.search(r"^  \S*framework status --namespace ", text, flags=re.M)
 
 
-@pytest.mark.slow
 def test_a_wrong_database_url_is_one_line() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "example_services.demo", "--database-url", "sqlite:///x.db", "--no-spark"],
