@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.live import Live
 
 from example_services.demo import live, load
-from example_services.demo.ledger import checks, dead_letters, progress
+from example_services.demo.ledger import Check, checks, dead_letters, progress
 from example_services.demo.stack import FULFILMENT_TIMEOUT, LEASE_TTL, DemoError, Stack, running_stack
 from framework.faults import Recovery
 
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
             )
         faults_ok = w["killed"] and w["paused"]
         result.append(
-            live.Check("a billing worker killed, an inventory worker paused", "yes" if faults_ok else "no", faults_ok)
+            Check("a billing worker killed, an inventory worker paused", "yes" if faults_ok else "no", faults_ok)
         )
         console.print(live.ledger_table(result))
         ok = all(c.ok for c in result)

@@ -60,8 +60,10 @@ async def checks(
     spark_revenue: int | None,
 ) -> tuple[list[Check], dict[str, Any]]:
     """The checks the demo asserts, and the figures behind them."""
-    by_status = dict(list(await conn.execute(text("SELECT status, count(*) FROM shop_orders GROUP BY status"))))
-    kinds = dict(
+    by_status: dict[str, int] = dict(
+        list(await conn.execute(text("SELECT status, count(*) FROM shop_orders GROUP BY status")))
+    )
+    kinds: dict[str, int] = dict(
         list(
             await conn.execute(
                 text(
@@ -91,8 +93,8 @@ async def checks(
         "LEFT JOIN (SELECT order_id, count(*) n FROM billing_charges GROUP BY order_id) c ON c.order_id = o.id "
         "LEFT JOIN (SELECT order_id, count(*) n FROM billing_refunds GROUP BY order_id) r ON r.order_id = o.id",
     )
-    levels = dict(list(await conn.execute(text("SELECT sku, available FROM inventory_stock"))))
-    shipped_qty = dict(
+    levels: dict[str, int] = dict(list(await conn.execute(text("SELECT sku, available FROM inventory_stock"))))
+    shipped_qty: dict[str, int] = dict(
         list(await conn.execute(text("SELECT sku, sum(qty) FROM shop_orders WHERE status = 'shipped' GROUP BY sku")))
     )
     stock_ok = all(levels[s] == stock[s] - int(shipped_qty.get(s, 0)) for s in stock)

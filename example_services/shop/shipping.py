@@ -72,7 +72,7 @@ def _progress(ctx: SagaContext[Fulfilment]) -> None:
     if ctx.is_new:  # the first message of this order starts the clock
         ctx.request_timeout(fulfilment_timeout(), FulfilmentTimeout(ctx.correlation))
     state = ctx.state
-    if state.paid_cents is not None and state.reserved:
+    if state.paid_cents is not None and state.reserved and state.sku is not None:
         ctx.publish(ORDERS_SHIPPED, OrderShipped(ctx.correlation, state.sku, state.qty), key=ctx.correlation)
         ctx.send(SEND_EMAIL, SendEmail(_customer_email(ctx.correlation), "Your order is on its way", ctx.correlation))
         ctx.complete()
