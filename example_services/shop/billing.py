@@ -111,6 +111,9 @@ async def charge(order: OrderPlaced, ctx: Context) -> None:
     """Charge the order once, however often its event is delivered."""
     if not luhn_ok(order.card):
         raise InvalidCard(f"card number of order {order.order_id} fails the Luhn check")
+    # The gateway call cannot join the transaction: a real one takes the order id as its idempotency
+    # key (Stripe's Idempotency-Key, say), so a retried or redelivered message is never charged twice
+    # there; the charge row below commits with this message's inbox record.
     declined = gateway_charge(order, ctx.attempt)  # raises GatewayUnavailable: retried with backoff
     async with ctx.sql_transaction(ctx.resources[database]) as conn:
         if not await _claim(conn, order.order_id, "declined" if declined else "charged", order.amount_cents):
