@@ -23,6 +23,7 @@ import anyio
 from rich.console import Console
 from rich.live import Live
 
+from broker import redact
 from example_services.demo import live, load
 from example_services.demo.ledger import Check, checks, dead_letters, progress
 from example_services.demo.stack import FULFILMENT_TIMEOUT, LEASE_TTL, DemoError, Stack, running_stack
@@ -193,9 +194,7 @@ def run(args: argparse.Namespace) -> int:
     with running_stack(
         broker_url=args.broker_url, database_url=args.database_url, namespace=NAMESPACE, stock=stock, otlp=args.otlp
     ) as stack:
-        console.print(
-            f"broker: {stack.broker_url.split('@')[-1]}{'  (embedded Valkey)' if stack.embedded_broker else ''}"
-        )
+        console.print(f"broker: {redact(stack.broker_url)}{'  (embedded Valkey)' if stack.embedded_broker else ''}")
         console.print(f"database: {stack.database_note}")
         console.print(f"7 workers, the outbox relay and the API ({stack.api}); logs in {stack.logs}")
         say: list[str] = []
