@@ -147,12 +147,14 @@ async def database() -> AsyncIterator[AsyncEngine]:
         yield engine
 
 
-async def _set(ctx: Context, order_id: str, **values: Any) -> None:
-    """Update the order's row with this message's inbox record; a final status is never overwritten."""
+async def _set(ctx: Context, order_id: str, *, final: bool = False, **values: Any) -> None:
+    """Update the order's row with this message's inbox record. Events on different topics arrive in
+    any order: a flag (paid, reserved) is always recorded, a final status never overwrites another."""
+    where = [db.orders.c.id == order_id]
+    if final:
+        where.append(db.orders.c.status.not_in(FINAL))
     async with ctx.sql_transaction(ctx.resources[database]) as conn:
-        await conn.execute(
-            update(db.orders).where(db.orders.c.id == order_id, db.orders.c.status.not_in(FINAL)).values(**values)
-        )
+        await conn.execute(update(db.orders).where(*where).values(**values))
 
 
 @orders.event(PAYMENTS_CAPTURED)
@@ -170,10 +172,11 @@ async def reserved(event: StockReserved, ctx: Context) -> None:
 @orders.event(ORDERS_SHIPPED)
 async def shipped(event: OrderShipped, ctx: Context) -> None:
     """Final: shipped."""
-    await _set(ctx, event.order_id, status="shipped", reason=None)
+    await _set(ctx, event.order_id, final=True, status="shipped", reason=None)
 
 
 @orders.event(ORDERS_CANCELLED)
 async def cancelled(event: OrderCancelled, ctx: Context) -> None:
     """Final: declined or cancelled, with the reason."""
-    await _set(ctx, event.order_id, status="declined" if event.kind == "declined" else "cancelled", reason=event.reason)
+    status = "declined" if event.kind == "declined" else "cancelled"
+    await _set(ctx, event.order_id, final=True, status=status, reason=event.reason)
