@@ -3,7 +3,9 @@ ledger must add up, and the faults must have been injected and reported."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -16,14 +18,22 @@ import pytest
 @pytest.mark.timeout(600)
 def test_the_demo_runs_headless_and_its_ledger_adds_up(worker_env: dict[str, str], namespace: str) -> None:
     env = {**worker_env, "FRAMEWORK_DEMO_NAMESPACE": namespace, "CI": "true"}
-    out = subprocess.run(
+    demo = subprocess.Popen(
         [sys.executable, "-m", "example_services.demo", "--orders", "150"],
         env=env,
         stdin=subprocess.DEVNULL,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=420,
+        start_new_session=True,  # its workers, relay, API and Spark are in its process group
     )
+    try:
+        stdout, stderr = demo.communicate(timeout=480)
+    except subprocess.TimeoutExpired:
+        os.killpg(demo.pid, signal.SIGKILL)  # nothing of it outlives the test
+        demo.communicate()
+        raise
+    out = subprocess.CompletedProcess(demo.args, demo.returncode, stdout, stderr)
     text = out.stdout
     assert out.returncode == 0, text[-4000:] + out.stderr[-3000:]
     assert "the ledger adds up" in text
