@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh Linux machine with Python 3.11+:
-#   make demo   creates .venv, installs the framework, runs the demo
+#   make demo   creates .venv, installs the framework and the shop's extras, runs the shop demo
 #   make test   creates .venv, installs everything (Spark, PostgreSQL, test tools), runs the whole suite
 PYTHON ?= python3
 VENV   := .venv
@@ -18,13 +18,20 @@ $(VENV)/.core: $(BIN)/python pyproject.toml
 	$(PIP) install -e .
 	@touch $@
 
+# the demo's extras: Starlette + uvicorn, PostgreSQL (embedded), Spark (about a minute to install the first time)
+$(VENV)/.demo: $(VENV)/.core pyproject.toml
+	$(PIP) install -e '.[demo]'
+	@touch $@
+
 # (bench: FastStream, so the tests of the peer benchmark run too, not skip)
 $(VENV)/.all: $(BIN)/python pyproject.toml
-	$(PIP) install -e '.[dev,sql,spark,rabbitmq,bench]'
-	@touch $@ $(VENV)/.core
+	$(PIP) install -e '.[dev,sql,spark,rabbitmq,bench,demo]'
+	@touch $@ $(VENV)/.core $(VENV)/.demo
 
-demo: $(VENV)/.core
-	$(BIN)/python -m example_services.demo
+# CI (CI=true) runs a small shop so the whole run stays well under 3 minutes on 2 cores
+DEMO_ARGS ?= $(if $(filter true 1,$(CI)),--orders 200,)
+demo: $(VENV)/.demo
+	$(BIN)/python -m example_services.demo $(DEMO_ARGS)
 
 # the dashboard's browser tests drive Debian's chromium (Playwright launches it, never downloads one):
 # installed here when missing and running as root; otherwise they skip, and fail under CI=true

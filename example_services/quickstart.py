@@ -1,4 +1,6 @@
-"""Two services of a shop, used by ``make demo`` until the full example shop lands.
+"""Two services of a shop in one module: the smallest complete example (the Kubernetes manifests run it).
+
+The full example shop, one module per service, is ``example_services/shop/`` (``make demo``).
 
 ``orders`` takes ``PlaceOrder`` commands and publishes ``OrderPlaced`` events; ``billing`` charges
 each order exactly once (its write commits with the inbox mark and the ack) and publishes

@@ -12,6 +12,10 @@ pytest fixtures (``framework_redis_url``, ``framework_namespace``) live in
 
 ``url="memory://"`` runs the same on the in-process transport (no server; docs/testing.md).
 
+Under faults, :class:`Chaos` runs services as worker processes and SIGKILLs them, pauses them past
+their lease, resets their connections and duplicates messages; :func:`exactly_once` checks the
+effects (docs/testing.md, "Testing under faults").
+
 For the outbox and SQL effects, :func:`embedded_postgres` starts a throw-away PostgreSQL and
 :func:`temporary_database` creates a fresh database on a server (both need the ``sql`` extra).
 """
@@ -36,6 +40,7 @@ from broker.redis import EmbeddedServer
 from broker.redis.sync_client import sync_client
 from framework.client import Client
 from framework.dead_letters.admin import DeadLetter, DeadLetters
+from framework.faults import Chaos, ExactlyOnce, Recovery, WorkerPool, exactly_once, wait_for
 from framework.middleware import Middleware
 from framework.runtime import Runtime
 from framework.service import Service
@@ -43,12 +48,18 @@ from framework.settings import RuntimeSettings
 
 __all__ = [
     "TEST_SETTINGS",
+    "Chaos",
+    "ExactlyOnce",
+    "Recovery",
     "ServiceHarness",
+    "WorkerPool",
     "delete_namespace",
     "embedded_postgres",
     "embedded_server",
+    "exactly_once",
     "temporary_database",
     "unique_namespace",
+    "wait_for",
 ]
 
 TEST_SETTINGS = RuntimeSettings(

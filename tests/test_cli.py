@@ -122,20 +122,6 @@ def test_embedded_server_commands(tmp_path: Path) -> None:
     assert run_cli("server", "status", env=env).returncode == 3
 
 
-@pytest.mark.slow
-def test_the_demo_runs_end_to_end(worker_env: dict[str, str], namespace: str) -> None:
-    env = {**worker_env, "FRAMEWORK_DEMO_NAMESPACE": namespace}
-    out = subprocess.run(
-        [sys.executable, "-m", "example_services.demo", "--orders", "400"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "all checks passed" in out.stdout
-
-
 def test_an_import_failure_names_the_users_line_not_the_frameworks(tmp_path: Path, worker_env: dict[str, str]) -> None:
     # The error is raised inside framework/retries.py, called from line 3 of the user's module.
     (tmp_path / "badpolicy.py").write_text(

@@ -1,4 +1,5 @@
-"""compose.yaml parses, names the right images, and its commands are real framework commands.
+"""compose.yaml parses, runs the example shop (one container per service running `framework run`),
+names the right images, and its commands are real framework commands.
 
 No Docker engine runs here, so the file is checked as data: images, commands (parsed by the real
 CLI parser), start order (tables migrated before the relay), ports bound to 127.0.0.1 only, and
@@ -30,24 +31,50 @@ def _compose() -> dict:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())
 
 
+SHOP = ("orders", "billing", "inventory", "shipping", "notifications")
+
+
 def test_compose_file_names_the_right_images_and_commands() -> None:
     services = _compose()["services"]
-    assert services["valkey"]["image"].startswith("valkey/valkey:")
-    assert "--appendonly" in services["valkey"]["command"]
+    assert services["redis"]["image"].startswith("redis:")  # real Redis
+    assert services["redis"]["command"][0] == "redis-server" and "--appendonly" in services["redis"]["command"]
     assert services["postgres"]["image"].startswith("postgres:")
     assert services["jaeger"]["image"].startswith("jaegertracing/")
     parser = build_parser()
-    for name in ("orders", "billing", "outbox-relay", "migrate"):
+    for name in (*SHOP, "outbox-relay"):
         svc = services[name]
         assert svc["build"] == "." and svc["environment"]["REDIS_URL"].startswith("redis://")
         command = svc["command"]
         assert command[0] == "framework"
         args = parser.parse_args(command[1:])  # a real sub-command with valid options
-        if command[1] == "run":
-            assert [s.name for s in load_services(args.targets)] in (["orders"], ["billing"])
-    assert services["migrate"]["command"][1:3] == ["outbox", "migrate"]
+        if command[1] == "run":  # one container per service, each the shop's module of that name
+            assert args.targets == [f"example_services.shop.{name}:{name}"]
+            assert [s.name for s in load_services(args.targets)] == [name]
+    assert services["migrate"]["command"] == ["python", "-m", "example_services.shop.db"]
+    api = services["api"]["command"]
+    assert api[:2] == ["uvicorn", "example_services.shop.orders:app"] and "0.0.0.0" in api
+    from example_services.shop.orders import app
+
+    assert {r.path for r in app.routes} == {"/orders", "/orders/{order_id}"}
     assert (ROOT / "Dockerfile").exists()
     assert "framework" in shlex.split((ROOT / "Dockerfile").read_text().splitlines()[-1].split("CMD", 1)[1])[0]
+    assert ".[sql,web]" in (ROOT / "Dockerfile").read_text()  # the API's Starlette and uvicorn
+
+
+def test_every_shop_container_starts_after_the_tables_exist() -> None:
+    services = _compose()["services"]
+    for name in (*SHOP, "api"):
+        deps = services[name]["depends_on"]
+        assert deps["migrate"]["condition"] == "service_completed_successfully", name
+        assert deps["redis"]["condition"] == "service_healthy", name
+
+
+def test_redis_and_postgres_ports_do_not_collide_with_a_developers_own() -> None:
+    services = _compose()["services"]
+    for name, usual in (("redis", 6379), ("postgres", 5432)):
+        [published] = services[name]["ports"]
+        host_port = re.sub(r"\$\{\w+:-(\d+)\}", r"\1", published).split(":")[1]
+        assert int(host_port) != usual, f"{name} is published on its usual port {usual}"
 
 
 def test_the_relay_starts_only_after_the_tables_are_migrated() -> None:
@@ -69,9 +96,9 @@ def test_passwords_come_from_the_environment_and_env_example_lists_them() -> Non
     services = _compose()["services"]
     assert "postgres:postgres@" not in text and "POSTGRES_PASSWORD: postgres" not in text
     assert _REQUIRED_VAR.fullmatch(services["postgres"]["environment"]["POSTGRES_PASSWORD"])
-    valkey_cmd = services["valkey"]["command"]
-    assert _REQUIRED_VAR.fullmatch(valkey_cmd[valkey_cmd.index("--requirepass") + 1])
-    for name in ("orders", "billing", "outbox-relay", "migrate"):
+    redis_cmd = services["redis"]["command"]
+    assert _REQUIRED_VAR.fullmatch(redis_cmd[redis_cmd.index("--requirepass") + 1])
+    for name in (*SHOP, "outbox-relay", "migrate", "api"):
         env = services[name]["environment"]
         assert _REQUIRED_VAR.search(env["REDIS_URL"]) and _REQUIRED_VAR.search(env["DATABASE_URL"])
         assert "--database-url" not in services[name]["command"]  # a password on a command line shows in ps
@@ -81,7 +108,8 @@ def test_passwords_come_from_the_environment_and_env_example_lists_them() -> Non
         for line in (ROOT / ".env.example").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     )
-    assert needed == {"VALKEY_PASSWORD", "POSTGRES_PASSWORD", "GRAFANA_ADMIN_PASSWORD"} and needed <= set(example)
+    assert needed == {"REDIS_PASSWORD", "VALKEY_PASSWORD", "POSTGRES_PASSWORD", "GRAFANA_ADMIN_PASSWORD"}
+    assert needed <= set(example)
     assert _REQUIRED_VAR.fullmatch(services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"])
 
 
@@ -89,7 +117,7 @@ def test_passwords_come_from_the_environment_and_env_example_lists_them() -> Non
 
 DEPLOY = ROOT / "deploy" / "observability"
 _VERSION_TAG = re.compile(r":v?\d+\.\d+\.\d+$")
-_METRICS_SERVICES = ("orders", "billing", "outbox-relay")  # serving --metrics-port
+_METRICS_SERVICES = ("orders", "billing", "inventory", "shipping", "notifications", "outbox-relay")  # --metrics-port
 
 
 def _yaml(path: Path) -> dict:
@@ -164,7 +192,7 @@ def test_services_send_traces_to_the_collector_and_serve_metrics() -> None:
         for sd in job.get("dns_sd_configs", [])
         for name in sd["names"]
     }
-    for name in ("orders", "billing", "outbox-relay"):
+    for name in (*SHOP, "outbox-relay", "api"):
         env = services[name]["environment"]
         # the framework's exporter speaks OTLP/HTTP: the collector's HTTP receiver, not gRPC's 4317
         assert _host_port(env["OTEL_EXPORTER_OTLP_ENDPOINT"]) == ("otel-collector", http_port)
@@ -279,4 +307,4 @@ def test_the_cluster_profile_runs_three_cluster_nodes_and_a_one_shot_create() ->
     assert "--cluster create" in script and "--cluster-replicas 0" in script and "--cluster-yes" in script
     assert all(f"getent hosts {n}" in script for n in nodes)
     assert _REQUIRED_VAR.fullmatch(init["environment"]["REDISCLI_AUTH"])  # valkey-cli's password, from .env
-    assert all("cluster" not in services[s].get("profiles", []) for s in ("valkey", "orders", "billing"))
+    assert all("cluster" not in services[s].get("profiles", []) for s in ("redis", *SHOP))

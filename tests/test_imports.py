@@ -18,7 +18,7 @@ PACKAGES = ("broker", "framework", "example_services", "spark_bridge")
 ALLOWED = {
     "broker": {"broker"},
     "framework": {"framework", "broker"},
-    "example_services": {"example_services", "framework", "broker"},
+    "example_services": {"example_services", "framework", "broker", "spark_bridge"},  # the shop's analytics use Spark
     "spark_bridge": {"spark_bridge", "broker"},
 }
 

@@ -1,35 +1,32 @@
-"""Worker processes for fault tests: `python -m framework run` subprocesses, their logs, and waiting."""
+"""Worker processes for fault tests: a thin layer over the framework's own ``WorkerPool``
+(``framework.faults``, public as ``framework.testing.WorkerPool``), kept for the existing tests."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+from framework.faults import WorkerPool
+from framework.faults import wait_for as _wait_for
+
 
 class Workers:
-    """Starts `python -m framework run` workers and cleans them up."""
+    """Starts `python -m framework run` workers and cleans them up (every process, in start order)."""
 
     def __init__(self, env: dict[str, str], tmp: Path) -> None:
         self.env = env
         self.tmp = tmp
+        self.pool = WorkerPool(env, tmp)
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, target: str, consumer: str, *extra: str, **env: str) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{consumer}.log", "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "framework", "run", target, "--consumer", consumer, *extra],
-            env={**self.env, **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        proc = self.pool.start(target, consumer, *extra, metrics=False, env=env)
         self.procs.append(proc)
         return proc
 
     def log(self, consumer: str) -> str:
-        return (self.tmp / f"{consumer}.log").read_text(errors="replace")
+        return self.pool.log(consumer)
 
     def stop_all(self) -> None:
         for p in self.procs:
@@ -40,9 +37,7 @@ class Workers:
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
     """Poll ``predicate`` until it is true; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    try:
+        _wait_for(predicate, timeout, what)
+    except TimeoutError as exc:
+        raise AssertionError(str(exc)) from None
