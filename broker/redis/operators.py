@@ -36,13 +36,10 @@ class Operators(Topology):
 
     async def workers(self) -> list[WorkerBeat]:
         """Every worker recorded (live or gone for less than an hour), sorted by name."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(self.keyspace.workers)
-        pipe.time()
-        raw, (secs, micros) = await pipe.execute()
+        secs, micros, flat = await self.scripts["workers_read"](self.redis, [self.keyspace.workers], [])
         now = int(secs) * 1000 + int(micros) // 1000
         out = []
-        for field, value in raw.items():
+        for field, value in zip(flat[::2], flat[1::2], strict=True):
             try:
                 seen, ttl, body = text(value).split("|", 2)
                 data: dict[str, Any] = orjson.loads(body)

@@ -42,6 +42,7 @@ _NAMES = (
     "reply_open",
     "reply_send",
     "worker_beat",
+    "workers_read",
 )
 
 
