@@ -18,15 +18,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(autouse=True)
-def _console_logs() -> None:
-    """Log to this test's stderr: a test that ran the CLI in-process may have pointed the logs at
-    a capture stream that is closed by now."""
-    from framework.logconfig import configure_logging
-
-    configure_logging(fmt="console")
-
-
 @pytest.fixture
 def shop_db_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A fresh SQLite database, set as ``$DATABASE_URL`` for the services' resources."""
