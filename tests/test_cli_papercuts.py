@@ -253,7 +253,8 @@ def test_the_quick_start_shows_what_the_handler_wrote_once(tmp_path: Path) -> No
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     quick = readme.split("## Quick start", 1)[1]
     (tmp_path / "shop.py").write_text(quick.split("```python\n", 1)[1].split("```", 1)[0])
-    commands = [line.split("  #")[0].strip() for line in quick.split("```sh\n", 1)[1].split("```", 1)[0].splitlines()]
+    lines = quick.split("```sh\n", 1)[1].split("```", 1)[0].splitlines()
+    commands = [c for c in (line.split("  #")[0].strip() for line in lines) if not c.startswith("source ")]
     assert commands[0] == "framework run shop:billing &" and commands[-2] == "framework peek payments.captured"
     # its own embedded Valkey: the example writes "revenue" outside any namespace
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BROKER_URL", "FRAMEWORK_NAMESPACE")}
