@@ -25,7 +25,8 @@ from typing import Any
 
 import anyio
 
-from benchmarks.ownership_bench import OWNED, WORKER_OPTS, _send
+from benchmarks.drain import DRAIN_TIMEOUT, partition_streams, send_backlog, timed_drain, wait_until, worker_args
+from benchmarks.ownership_bench import OWNED
 from benchmarks.procs import child
 from broker.redis.embedded_cluster import start_cluster
 from broker.redis.sync_client import sync_client
@@ -41,41 +42,26 @@ def trial(url: str, n: int, workers: int, label: str) -> dict[str, Any]:
     """Drain ``n`` commands with ``workers`` processes on the server at ``url``; msgs/s from first consumed to last."""
     namespace = unique_namespace("bench-spread")
     r = sync_client(url)
-    streams = [f"{namespace}:{{{SPREAD.name}:{p}}}" for p in range(SPREAD.partitions)]
+    streams = partition_streams(namespace, SPREAD)
 
     def left() -> int:
         return sum(int(r.xlen(s)) for s in streams)  # one call per stream: they may live on different nodes
 
     try:
-        anyio.run(functools.partial(_send, url, namespace, n))
-        args = ["-m", "framework", "run", "benchmarks.ownership_bench:owned", "--redis-url", url]
-        args += ["--namespace", namespace, "--log-format", "json", *WORKER_OPTS]
+        anyio.run(functools.partial(send_backlog, url, namespace, SPREAD, n))
+        args = worker_args("benchmarks.ownership_bench:owned", url, namespace)
         with contextlib.ExitStack() as stack:
             procs = [
                 stack.enter_context(child(f"spread-{label}-{i}", [*args, "--consumer", f"w{i}"], {}, grace=10))
                 for i in range(workers)
             ]
-            deadline = time.monotonic() + 300
-            while left() >= n:
-                _check(procs, deadline)
-                time.sleep(0.005)
-            began = time.monotonic()
-            first_left = left()
-            while left() > 0:
-                _check(procs, deadline)
-                time.sleep(0.01)
-            seconds = time.monotonic() - began
+            deadline = time.monotonic() + DRAIN_TIMEOUT
+            wait_until(lambda: left() < n, procs, deadline, "cluster", poll=0.005)  # the first entry consumed
+            first_left, seconds = timed_drain(left, procs, deadline, "cluster", poll=0.01)
         return {"n": n, "workers": workers, "server": label, "msgs_per_s": first_left / seconds}
     finally:
         r.close()
         delete_namespace(url, namespace)
-
-
-def _check(procs: list[Any], deadline: float) -> None:
-    for p in procs:
-        p.check()
-    if time.monotonic() > deadline:
-        raise RuntimeError("cluster benchmark: the backlog was not drained within 300 s")
 
 
 def run(url: str, *, messages: int = 50_000, repeats: int = 1, workers: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:

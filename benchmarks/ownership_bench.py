@@ -24,15 +24,23 @@ from typing import Any
 import anyio
 import redis
 
+from benchmarks.drain import (
+    DRAIN_TIMEOUT,
+    entries_left,
+    lease_holders,
+    partition_streams,
+    send_backlog,
+    timed_drain,
+    wait_until,
+    worker_args,
+)
 from benchmarks.procs import child
-from framework import Client, Queue, Service
+from framework import Queue, Service
 from framework.testing import delete_namespace, unique_namespace
 
 __all__ = ["OWNED", "run", "trial"]
 
 OWNED = Queue("bench.owned", partitions=8)
-KEYS = 1000
-WORKER_OPTS = ("--concurrency", "64", "--prefetch", "500")
 
 owned = Service("owned")  # the inbox is on (the default)
 
@@ -40,13 +48,6 @@ owned = Service("owned")  # the inbox is on (the default)
 @owned.command(OWNED, key=lambda c: c["k"])
 async def handle(cmd: dict[str, Any]) -> None:
     """Does nothing: the benchmark measures the runtime's own cost per message."""
-
-
-async def _send(url: str, namespace: str, n: int) -> None:
-    async with Client(url, namespace=namespace) as client:
-        for start in range(0, n, 5000):
-            batch = [{"k": str(i % KEYS), "n": i} for i in range(start, min(start + 5000, n))]
-            await client.send_many(OWNED, batch, key=lambda c: c["k"])
 
 
 def trial(url: str, n: int, workers: int, ownership: str) -> dict[str, Any]:
@@ -58,14 +59,8 @@ def trial(url: str, n: int, workers: int, ownership: str) -> dict[str, Any]:
     """
     namespace = unique_namespace("bench-owned")
     r = redis.Redis.from_url(url)
-    streams = [f"{namespace}:{{{OWNED.name}:{p}}}" for p in range(OWNED.partitions)]
+    streams = partition_streams(namespace, OWNED)
     names = [f"w{i}" for i in range(workers)]
-
-    def left() -> int:
-        pipe = r.pipeline(transaction=False)
-        for s in streams:
-            pipe.xlen(s)
-        return sum(pipe.execute())
 
     def settled() -> bool:
         if ownership == "off":
@@ -73,31 +68,23 @@ def trial(url: str, n: int, workers: int, ownership: str) -> dict[str, Any]:
                 return len(r.xinfo_consumers(streams[0], "owned")) >= workers
             except redis.ResponseError:  # no group yet
                 return False
-        owners = [r.hget(f"{s}:g:owned:lease", "owner") for s in streams]
-        held = [o.decode() for o in owners if o]
+        held = lease_holders(r, streams, "owned")
         share = -(-len(streams) // workers)
         return len(held) == len(streams) and all(held.count(w) <= share for w in names)
 
     try:
-        anyio.run(functools.partial(_send, url, namespace, n))
+        anyio.run(functools.partial(send_backlog, url, namespace, OWNED, n))
         env = {"FRAMEWORK_OWNERSHIP": ownership}
-        args = ["-m", "framework", "run", "benchmarks.ownership_bench:owned", "--redis-url", url]
-        args += ["--namespace", namespace, "--log-format", "json", *WORKER_OPTS]
+        args = worker_args("benchmarks.ownership_bench:owned", url, namespace)
         with contextlib.ExitStack() as stack:
             procs = [
                 stack.enter_context(child(f"owned-{ownership}-{name}", [*args, "--consumer", name], env, grace=10))
                 for name in names
             ]
-            deadline = time.monotonic() + 300
-            while not settled():
-                _check(procs, deadline)
-                time.sleep(0.05)
+            deadline = time.monotonic() + DRAIN_TIMEOUT
+            wait_until(settled, procs, deadline, "ownership", poll=0.05)
             time.sleep(0.3)
-            began, first_left = time.monotonic(), left()
-            while left() > 0:
-                _check(procs, deadline)
-                time.sleep(0.005)
-            seconds = time.monotonic() - began
+            first_left, seconds = timed_drain(lambda: entries_left(r, streams), procs, deadline, "ownership")
         return {
             "n": n,
             "measured": first_left,
@@ -108,13 +95,6 @@ def trial(url: str, n: int, workers: int, ownership: str) -> dict[str, Any]:
     finally:
         r.close()
         delete_namespace(url, namespace)
-
-
-def _check(procs: list[Any], deadline: float) -> None:
-    for p in procs:
-        p.check()
-    if time.monotonic() > deadline:
-        raise RuntimeError("ownership benchmark: the backlog was not drained within 300 s")
 
 
 def run(url: str, *, messages: int = 50_000, repeats: int = 1, workers: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:

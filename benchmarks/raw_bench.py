@@ -10,13 +10,11 @@
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
-from benchmarks.bench_services import body
 from benchmarks.paced import latency_summary, produce, wait_consumer
 from benchmarks.procs import child
-from benchmarks.roles import RAW_GROUP, raw_stream
+from benchmarks.roles import RAW_GROUP, raw_stream, raw_xadd
 from benchmarks.streams import FILL_BATCH, Progress, quiet, raw_client, wait_done
 from framework.testing import delete_namespace, unique_namespace
 
@@ -33,19 +31,7 @@ def raw_ceiling(url: str, n: int, *, delete: bool = False, progress: Progress = 
         started = time.perf_counter()
         pipe = client.pipeline(transaction=False)
         for i in range(n):
-            pipe.execute_command(
-                "XADD",
-                stream,
-                "*",
-                "id",
-                str(uuid.uuid4()),
-                "type",
-                "BenchMessage",
-                "body",
-                body(i, time.time_ns()),
-                "ts",
-                time.time_ns() // 1_000_000,
-            )
+            pipe.execute_command(*raw_xadd(stream, i))
             if len(pipe) >= FILL_BATCH:
                 pipe.execute()
         pipe.execute()

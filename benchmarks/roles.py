@@ -24,7 +24,7 @@ import redis
 
 from benchmarks.bench_services import LATENCY, BenchMessage, body, done_key, latency_key
 
-__all__ = ["RAW_GROUP", "main", "raw_stream"]
+__all__ = ["RAW_GROUP", "main", "raw_stream", "raw_xadd"]
 
 RAW_GROUP = "raw"
 
@@ -32,6 +32,23 @@ RAW_GROUP = "raw"
 def raw_stream(namespace: str) -> str:
     """The stream of the raw latency path."""
     return f"{namespace}:raw-latency"
+
+
+def raw_xadd(stream: str, seq: int) -> tuple[str | bytes | int, ...]:
+    """The XADD of message ``seq`` with the framework's fields (id, type, body, ts), stamped now."""
+    return (
+        "XADD",
+        stream,
+        "*",
+        "id",
+        str(uuid.uuid4()),
+        "type",
+        "BenchMessage",
+        "body",
+        body(seq, time.time_ns()),
+        "ts",
+        time.time_ns() // 1_000_000,
+    )
 
 
 async def _produce_framework(url: str, namespace: str, rate: float, count: int) -> float:
@@ -57,19 +74,7 @@ def _produce_raw(url: str, namespace: str, rate: float, count: int) -> float:
             delay = start + i / rate - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            client.execute_command(
-                "XADD",
-                stream,
-                "*",
-                "id",
-                str(uuid.uuid4()),
-                "type",
-                "BenchMessage",
-                "body",
-                body(i, time.time_ns()),
-                "ts",
-                time.time_ns() // 1_000_000,
-            )
+            client.execute_command(*raw_xadd(stream, i))
         return count / (time.monotonic() - start)
     finally:
         client.close()

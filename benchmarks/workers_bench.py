@@ -23,15 +23,23 @@ from typing import Any
 import anyio
 import redis
 
+from benchmarks.drain import (
+    DRAIN_TIMEOUT,
+    entries_left,
+    lease_holders,
+    partition_streams,
+    send_backlog,
+    timed_drain,
+    wait_until,
+    worker_args,
+)
 from benchmarks.procs import child
-from framework import Client, Queue, Service
+from framework import Queue, Service
 from framework.testing import delete_namespace, unique_namespace
 
 __all__ = ["QUEUE", "run", "trial"]
 
 QUEUE = Queue("bench.workers", partitions=4)
-KEYS = 1000
-WORKER_OPTS = ("--concurrency", "64", "--prefetch", "500")
 MODES = ("supervisor", "separate")
 
 pool = Service("pool")  # the inbox is on (the default)
@@ -42,33 +50,18 @@ async def handle(cmd: dict[str, Any]) -> None:
     """Does nothing: the benchmark measures the runtime's own cost per message."""
 
 
-async def _send(url: str, namespace: str, n: int) -> None:
-    async with Client(url, namespace=namespace) as client:
-        for start in range(0, n, 5000):
-            batch = [{"k": str(i % KEYS), "n": i} for i in range(start, min(start + 5000, n))]
-            await client.send_many(QUEUE, batch, key=lambda c: c["k"])
-
-
 def trial(url: str, n: int, mode: str) -> dict[str, Any]:
     """Drain ``n`` commands with two workers, under a supervisor or as two processes (msg/s, see the module)."""
     namespace = unique_namespace("bench-workers")
     r = redis.Redis.from_url(url)
-    streams = [f"{namespace}:{{{QUEUE.name}:{p}}}" for p in range(QUEUE.partitions)]
-
-    def left() -> int:
-        pipe = r.pipeline(transaction=False)
-        for s in streams:
-            pipe.xlen(s)
-        return sum(pipe.execute())
+    streams = partition_streams(namespace, QUEUE)
 
     def settled() -> bool:
-        owners = [r.hget(f"{s}:g:pool:lease", "owner") for s in streams]
-        held = [o.decode() for o in owners if o]
+        held = lease_holders(r, streams, "pool")
         return len(held) == len(streams) and sorted(set(held)) == ["w-0", "w-1"] and held.count("w-0") == 2
 
     try:
-        args = ["-m", "framework", "run", "benchmarks.workers_bench:pool", "--redis-url", url]
-        args += ["--namespace", namespace, "--log-format", "json", *WORKER_OPTS]
+        args = worker_args("benchmarks.workers_bench:pool", url, namespace)
         with contextlib.ExitStack() as stack:
             if mode == "supervisor":
                 procs = [stack.enter_context(child("workers-supervisor", [*args, "--workers", "2", "--consumer", "w"]))]
@@ -77,27 +70,14 @@ def trial(url: str, n: int, mode: str) -> dict[str, Any]:
                     stack.enter_context(child(f"workers-separate-{i}", [*args, "--consumer", f"w-{i}"]))
                     for i in range(2)
                 ]
-            deadline = time.monotonic() + 300
-            while not settled():
-                _check(procs, deadline)
-                time.sleep(0.05)
-            anyio.run(functools.partial(_send, url, namespace, n))  # the workers consume while it is sent
-            began, first_left = time.monotonic(), left()
-            while left() > 0:
-                _check(procs, deadline)
-                time.sleep(0.005)
-            seconds = time.monotonic() - began
+            deadline = time.monotonic() + DRAIN_TIMEOUT
+            wait_until(settled, procs, deadline, "workers", poll=0.05)
+            anyio.run(functools.partial(send_backlog, url, namespace, QUEUE, n))  # consumed while it is sent
+            first_left, seconds = timed_drain(lambda: entries_left(r, streams), procs, deadline, "workers")
         return {"n": n, "measured": first_left, "mode": mode, "msgs_per_s": first_left / seconds}
     finally:
         r.close()
         delete_namespace(url, namespace)
-
-
-def _check(procs: list[Any], deadline: float) -> None:
-    for p in procs:
-        p.check()
-    if time.monotonic() > deadline:
-        raise RuntimeError("workers benchmark: the backlog was not drained within 300 s")
 
 
 def run(url: str, *, messages: int = 50_000, repeats: int = 1) -> dict[str, Any]:

@@ -44,26 +44,9 @@ async def _frozen_set(request: Request, form: dict[str, list[str]]) -> tuple[lis
     return await frozen_refs(broker_of(request), filter_of(one), upto), fields
 
 
-async def confirm(request: Request) -> Response:
-    """Count what a redrive or purge would act on, and ask."""
-    checked = await checked_form(request)
-    if isinstance(checked, Response):
-        return checked
-    _, form = checked
-    action = (form.get("action") or [""])[0]
-    if action not in _ACTIONS:
-        return render(request, "error.html", 400, message=f"unknown action {action!r}: redrive or purge")
-    try:
-        refs, fields = await _frozen_set(request, form)
-    except ValueError as exc:
-        return render(request, "error.html", 400, message=str(exc))
-    return render(
-        request, "confirm.html", action=action, refs=refs if not fields else [], count=len(refs), fields=fields
-    )
-
-
-async def apply(request: Request) -> Response:
-    """Run a confirmed redrive or purge on the frozen set, as a job; go to its progress page."""
+async def _dead_letter_post(request: Request) -> tuple[Guard, str, list[str], dict[str, str]] | Response:
+    """The guard, the action and its frozen set (refs, and the fields naming them again) of a bulk
+    dead-letter POST, else the response refusing it."""
     checked = await checked_form(request)
     if isinstance(checked, Response):
         return checked
@@ -72,9 +55,29 @@ async def apply(request: Request) -> Response:
     if action not in _ACTIONS:
         return render(request, "error.html", 400, message=f"unknown action {action!r}: redrive or purge")
     try:
-        refs, _ = await _frozen_set(request, form)
+        refs, fields = await _frozen_set(request, form)
     except ValueError as exc:
         return render(request, "error.html", 400, message=str(exc))
+    return guard, action, refs, fields
+
+
+async def confirm(request: Request) -> Response:
+    """Count what a redrive or purge would act on, and ask."""
+    post = await _dead_letter_post(request)
+    if isinstance(post, Response):
+        return post
+    _, action, refs, fields = post
+    return render(
+        request, "confirm.html", action=action, refs=refs if not fields else [], count=len(refs), fields=fields
+    )
+
+
+async def apply(request: Request) -> Response:
+    """Run a confirmed redrive or purge on the frozen set, as a job; go to its progress page."""
+    post = await _dead_letter_post(request)
+    if isinstance(post, Response):
+        return post
+    guard, action, refs, _ = post
     broker = broker_of(request)
     who = guard.who(request)
 
