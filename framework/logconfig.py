@@ -70,15 +70,20 @@ def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
         )
         exc = []
     timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    # The processors go into the list structlog already holds: loggers cached before a second call
+    # in one process (a CLI command run in-process) keep that list, so they follow the new
+    # configuration (and structlog.testing.capture_logs, which swaps the list's contents, sees them).
+    processors: list[structlog.typing.Processor] = structlog.get_config()["processors"]
+    processors[:] = [
+        structlog.contextvars.merge_contextvars,
+        add_message_context,
+        structlog.processors.add_log_level,
+        timestamper,
+        *exc,
+        renderer,
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            add_message_context,
-            structlog.processors.add_log_level,
-            timestamper,
-            *exc,
-            renderer,
-        ],
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _STDERR)),
         cache_logger_on_first_use=True,

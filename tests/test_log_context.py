@@ -256,3 +256,22 @@ def test_framework_run_at_debug_logs_context_receipts_settlements_and_redacted_b
             }
         else:
             assert "body" not in received
+
+
+def test_a_second_configure_logging_reaches_loggers_already_in_use() -> None:
+    # A CLI command run in-process (framework.cli.main) configures logging again: loggers cached
+    # before it must follow, and structlog.testing.capture_logs must still see their lines.
+    from framework.logconfig import configure_logging
+    from framework.logs import get_logger
+
+    before = structlog.get_config()
+    log = get_logger("framework.test.cached")
+    try:
+        configure_logging("info", "json")
+        log.info("first use caches the logger")
+        configure_logging("info", "console")
+        with structlog.testing.capture_logs() as logs:
+            log.info("seen by the capture")
+        assert [e["event"] for e in logs] == ["seen by the capture"]
+    finally:
+        structlog.configure(**before)
