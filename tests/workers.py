@@ -15,10 +15,18 @@ class Workers:
     """Starts `python -m framework run` workers and cleans them up (every process, in start order)."""
 
     def __init__(self, env: dict[str, str], tmp: Path) -> None:
-        self.env = env
         self.tmp = tmp
         self.pool = WorkerPool(env, tmp)
         self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment workers start with; a test may replace it before starting them."""
+        return self.pool.env
+
+    @env.setter
+    def env(self, env: dict[str, str]) -> None:
+        self.pool.env = {**env, "FRAMEWORK_LOG_FORMAT": "json"}
 
     def start(self, target: str, consumer: str, *extra: str, **env: str) -> subprocess.Popen[bytes]:
         proc = self.pool.start(target, consumer, *extra, metrics=False, env=env)

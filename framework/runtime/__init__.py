@@ -232,8 +232,9 @@ class Runtime:
             task_status.started(self)
             await self._stop.wait()
             refresh.cancel()  # no new topics while shutting down
-            await self._shutdown()
-            await presence.leave()
+            left = await self._shutdown()
+            if left > 0:  # the broker answered the settling: say so within what is left of the bound
+                await presence.leave(timeout=left)
             tg.cancel_scope.cancel()
 
     async def _refresh_in(self, scope: anyio.CancelScope, tg: anyio.abc.TaskGroup) -> None:
@@ -281,7 +282,9 @@ class Runtime:
         if self._stop is not None:
             self._stop.set()
 
-    async def _shutdown(self) -> None:
+    async def _shutdown(self) -> float:
+        """Finish in flight, settle, hand over; return the seconds left for leaving (0: the broker
+        did not answer, so leaving would only wait)."""
         started = time.monotonic()
         for consumer in self.consumers:
             consumer.stop_fetching()
@@ -323,6 +326,9 @@ class Runtime:
             for name in ("processed", "duplicates", "failed", "retried", "dead_lettered")
         }
         log.info("runtime stopped", seconds=round(time.monotonic() - started, 3), **totals)
+        if settle.cancelled_caught or unreachable is not None:
+            return 0.0
+        return min(2.0, max(0.5, started + self.settings.shutdown_timeout - time.monotonic()))
 
     async def publish_outgoing(self, outgoing: Sequence[Outgoing]) -> None:
         """Publish messages staged by handlers (declaring Queue/Topic objects on first use)."""

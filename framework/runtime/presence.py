@@ -63,11 +63,11 @@ class Presence:
                 log.debug("heartbeat not recorded", error=str(exc))
             await anyio.sleep(self.interval)
 
-    async def leave(self) -> None:
-        """Say this worker stopped (best effort: a beat that cannot be removed lapses by itself)."""
+    async def leave(self, timeout: float = 2.0) -> None:
+        """Say this worker stopped, within ``timeout`` s (best effort: a beat not removed lapses by itself)."""
         if self.registry is None:
             return
-        with anyio.move_on_after(2, shield=True):
+        with anyio.move_on_after(timeout, shield=True):
             try:
                 await self.registry.leave_worker(self.name)
             except Exception as exc:
