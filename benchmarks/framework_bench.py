@@ -12,6 +12,7 @@ reported its last message), so worker start-up is left out and the final acks ar
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +21,7 @@ from typing import Any
 import anyio
 
 from benchmarks.bench_services import COMMANDS, EVENTS, LATENCY, BenchMessage
+from benchmarks.cpu_watch import CpuWatch
 from benchmarks.paced import latency_summary, produce, wait_consumer
 from benchmarks.procs import RssSampler, child
 from benchmarks.streams import FILL_BATCH, Progress, quiet, raw_client, wait_done, wait_settled
@@ -160,11 +162,16 @@ def commands(
     launcher: Sequence[str] = FRAMEWORK,
     on_settled: Callable[[], dict[str, Any]] | None = None,
     target: str | None = None,
+    profile: bool = False,
+    server_pid: int | None = None,
 ) -> dict[str, Any]:
     """Send ``n`` commands with the client, then drain them with one worker; msgs/s of the drain.
 
     ``env``, ``extra_args``, ``launcher`` and ``on_settled`` go to the worker (see :func:`start_worker`, :func:`drain`);
     ``target`` names the service of :mod:`benchmarks.bench_services` it runs (default: by ``inbox``).
+    With ``profile``, where the time goes over the timed span: the worker's CPU per message and
+    the share of the span it was busy, and the server's CPU per message (with ``server_pid``, a
+    server on this machine; it includes the benchmark's own polling, the same for every trial).
     """
     namespace = unique_namespace("bench")
     label = label or f"commands (inbox {'on' if inbox else 'off'})"
@@ -172,20 +179,29 @@ def commands(
         publish_rate = anyio.run(functools.partial(_publish_all, url, namespace, COMMANDS, n, events=False))
         progress(f"{label}: sent {n:,} commands at {publish_rate:,.0f}/s; draining with one worker")
         stream = f"{namespace}:{{{COMMANDS.name}:0}}"
-        result = drain(
-            url,
-            namespace,
-            target or ("commands" if inbox else "commands_no_inbox"),
-            n=n,
-            handlers=1,
-            stream=stream,
-            label=label,
-            progress=progress,
-            env=env,
-            extra_args=extra_args,
-            launcher=launcher,
-            on_settled=on_settled,
-        )
+        watch = CpuWatch(server_pid=server_pid) if profile else contextlib.nullcontext()
+        with watch:
+            result = drain(
+                url,
+                namespace,
+                target or ("commands" if inbox else "commands_no_inbox"),
+                n=n,
+                handlers=1,
+                stream=stream,
+                label=label,
+                progress=progress,
+                env=env,
+                extra_args=extra_args,
+                launcher=launcher,
+                on_settled=on_settled,
+            )
+        if isinstance(watch, CpuWatch):
+            span = (result["first_ns"], result["settled_ns"])
+            worker_s = watch.between(*span)
+            result["worker_us_per_msg"] = worker_s * 1e6 / n
+            result["worker_busy"] = worker_s / result["seconds"]
+            if (server_s := watch.server_between(*span)) is not None:
+                result["server_us_per_msg"] = server_s * 1e6 / n
         return {
             "n": n,
             "inbox": inbox,

@@ -77,8 +77,8 @@ class Report(SqlRows):
         fields = {
             "raw:xack": ("drain_msgs_per_s", "fill_msgs_per_s"),
             "raw:xdel": ("drain_msgs_per_s",),
-            "commands:on": ("msgs_per_s", "publish_msgs_per_s", "peak_rss_mib"),
-            "commands:off": ("msgs_per_s", "publish_msgs_per_s", "peak_rss_mib"),
+            "commands:on": ("msgs_per_s", "publish_msgs_per_s", "peak_rss_mib", *_PROFILE),
+            "commands:off": ("msgs_per_s", "publish_msgs_per_s", "peak_rss_mib", *_PROFILE),
             "events:3": ("events_per_s", "deliveries_per_s", "publish_msgs_per_s"),
             "latency:raw": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
             "latency:framework": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
@@ -207,6 +207,7 @@ class Report(SqlRows):
                         ok=cost["median"] < INBOX_COST_TARGET,
                     )
                 )
+            rows.extend(_profile_rows(sm))
             if pub := sm.get("commands:on", {}).get("publish_msgs_per_s"):
                 fill = sm.get("raw:xack", {}).get("fill_msgs_per_s")
                 rows.append(
@@ -404,3 +405,36 @@ class Report(SqlRows):
                     "steal_pct": statistics.median(m["cpu_steal_pct"] for m in marks),
                 }
         return out
+
+
+_PROFILE = ("worker_us_per_msg", "worker_busy", "server_us_per_msg")
+"""Where a commands drain's time goes (``framework_bench.commands(profile=True)``)."""
+
+
+def _profile_rows(sm: dict[str, dict[str, Any]]) -> list[Row]:
+    """CPU per message of the worker and the server in the commands drains, and what the inbox adds."""
+    rows = []
+    got = {k: sm.get(f"commands:{k}", {}) for k in ("on", "off")}
+    for k, fig in got.items():
+        if "worker_us_per_msg" not in fig:
+            continue
+        server = fig.get("server_us_per_msg")
+        rows.append(
+            Row(
+                f"where the time goes, inbox {k}: CPU per message, worker + server",
+                f"{fig['worker_us_per_msg']['median']:.1f} + "
+                + (f"{server['median']:.1f} µs" if server else "— µs (server not on this machine)")
+                + f"\n[dim]worker busy {fig['worker_busy']['median']:.0%} of the drain[/dim]",
+                target="reported",
+            )
+        )
+    on, off = got["on"], got["off"]
+    if "worker_us_per_msg" in on and "worker_us_per_msg" in off:
+        worker = on["worker_us_per_msg"]["median"] - off["worker_us_per_msg"]["median"]
+        server = (
+            f" + {on['server_us_per_msg']['median'] - off['server_us_per_msg']['median']:.1f} µs server"
+            if "server_us_per_msg" in on and "server_us_per_msg" in off
+            else ""
+        )
+        rows.append(Row("what the inbox adds per message (medians, on - off)", f"{worker:.1f} µs worker{server}"))
+    return rows

@@ -160,7 +160,9 @@ class Runner(Report):
                 for inbox in order:
                     self._trial(
                         f"commands:{'on' if inbox else 'off'}",
-                        lambda inbox=inbox: runtime_bench.commands(url, s.messages, inbox=inbox, progress=p),
+                        lambda inbox=inbox: runtime_bench.commands(
+                            url, s.messages, inbox=inbox, progress=p, profile=True, server_pid=self.server_pid
+                        ),
                         r,
                     )
             if "batch" in self.selected:  # batch handlers (#35), next to the commands drain of this round

@@ -1,0 +1,61 @@
+"""The commands and latency rows of ``make bench`` (issue #33) at a tiny size against a real server.
+
+A profiled commands drain says where its time goes (the worker's CPU per message and how busy it
+was, the server's CPU per message), the table turns that into rows with what the inbox adds, and
+the raw consumer of the latency trial starts on every server (Redis 7.0 registers a consumer only
+once it reads something: the trial waited for one that never showed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks import machine, procs, runtime_bench
+from benchmarks.runner import QUICK, Runner
+
+
+@pytest.fixture(autouse=True)
+def _no_child_left() -> Any:
+    yield
+    leftover = list(procs._running.values())
+    procs.stop_all()
+    assert not leftover, f"child processes left running: {[c.name for c in leftover]}"
+
+
+def test_a_profiled_drain_reports_worker_and_server_cpu_per_message(redis_url: str) -> None:
+    pid = machine.server_pid(redis_url)
+    result = runtime_bench.commands(redis_url, 3000, inbox=True, profile=True, server_pid=pid)
+    assert result["n"] == 3000 and result["msgs_per_s"] > 0
+    assert 0 < result["worker_us_per_msg"] < 10_000
+    assert 0 < result["worker_busy"] <= 1.5  # (CPU of all its threads over the span: may pass 1 a little)
+    if pid is not None:  # a server on this machine: its CPU over the same span
+        assert 0 < result["server_us_per_msg"] < 10_000
+
+
+def test_the_raw_latency_consumer_starts_and_measures(redis_url: str) -> None:
+    lat = runtime_bench.raw_latency(redis_url, rate=500, seconds=0.4, warmup=0.2)
+    assert lat["samples"] == 200
+    assert 0 < lat["p50_ms"] <= lat["p99_ms"]
+
+
+def test_the_table_shows_where_the_time_goes_and_what_the_inbox_adds() -> None:
+    profile = {"on": (9.0, 0.75, 6.5), "off": (8.0, 0.97, 3.5)}
+    trials = {"raw:xack": [{"round": 0, "drain_msgs_per_s": 300_000.0}]}
+    for mode, (worker, busy, server) in profile.items():
+        trials[f"commands:{mode}"] = [
+            {
+                "round": 0,
+                "msgs_per_s": 90_000.0,
+                "worker_us_per_msg": worker,
+                "worker_busy": busy,
+                "server_us_per_msg": server,
+            }
+        ]
+    report = Runner("redis://unused", QUICK, 1, ["raw", "commands"], None)
+    report.trials = trials
+    rows = {r.benchmark: r.result for r in report.rows()}
+    on = rows["where the time goes, inbox on: CPU per message, worker + server"]
+    assert on.startswith("9.0 + 6.5 µs") and "worker busy 75%" in on
+    assert rows["what the inbox adds per message (medians, on - off)"] == "1.0 µs worker + 3.0 µs server"
