@@ -37,6 +37,17 @@ def namespace(framework_namespace: str) -> str:
 
 
 @pytest.fixture
+def no_bench_child_left() -> Iterator[None]:
+    """After a benchmark test: stop every child process it left running, and fail it for that."""
+    from benchmarks import procs
+
+    yield
+    leftover = list(procs._running.values())
+    procs.stop_all()
+    assert not leftover, f"child processes left running: {[c.name for c in leftover]}"
+
+
+@pytest.fixture
 async def broker(redis_url: str, namespace: str) -> AsyncIterator[RedisBroker]:
     b = await connect(redis_url, namespace=namespace)
     yield b

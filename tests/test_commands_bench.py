@@ -8,20 +8,12 @@ once it reads something: the trial waited for one that never showed).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from benchmarks import machine, procs, runtime_bench
+from benchmarks import machine, runtime_bench
 from benchmarks.runner import QUICK, Runner
 
-
-@pytest.fixture(autouse=True)
-def _no_child_left() -> Any:
-    yield
-    leftover = list(procs._running.values())
-    procs.stop_all()
-    assert not leftover, f"child processes left running: {[c.name for c in leftover]}"
+pytestmark = pytest.mark.usefixtures("no_bench_child_left")
 
 
 def test_a_profiled_drain_reports_worker_and_server_cpu_per_message(redis_url: str) -> None:

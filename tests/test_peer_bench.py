@@ -13,19 +13,14 @@ from typing import Any
 import pytest
 
 from benchmarks import __main__ as bench_main
-from benchmarks import faststream_bench, procs, runtime_bench
+from benchmarks import faststream_bench, runtime_bench
 
 needs_faststream = pytest.mark.skipif(  # (under CI, `make test` installs it: the tests run, never skip)
     faststream_bench.missing() is not None and not os.environ.get("CI"), reason="faststream[redis] not installed"
 )
 
 
-@pytest.fixture(autouse=True)
-def _no_child_left() -> Any:
-    yield
-    leftover = list(procs._running.values())
-    procs.stop_all()
-    assert not leftover, f"child processes left running: {[c.name for c in leftover]}"
+pytestmark = pytest.mark.usefixtures("no_bench_child_left")
 
 
 @needs_faststream
