@@ -119,6 +119,9 @@ def test_three_workers_survive_a_sigkill_lose_nothing_and_all_drain_on_sigterm(
     assert any(
         e["pid"] == victim and e["status"] == -9 for e in events(workers.log("w"), "worker exited; restarting it")
     )
+    # (its new process may still be importing when the others finish the jobs: a SIGTERM then ends
+    # it before it has a runtime to drain, which the supervisor counts as clean)
+    wait_for(lambda: len(events(workers.log("w"), "runtime started")) == 4, 60, "worker 1's new runtime to start")
     wait_for(lambda: r.hlen(f"{namespace}:test:done") == total, 120, "every job to be processed")
     assert r.hlen(f"{namespace}:test:done") == total  # none lost
     pids = [e["pid"] for e in events(workers.log("w"), "worker started")]
