@@ -179,13 +179,14 @@ class Consumer:
 
     async def flush_acks(self) -> None:
         """Send every buffered ack now."""
-        for ledger in self.states.values():
+        # (a copy: a partition lost meanwhile, a lease run out during a pause, leaves the dict)
+        for ledger in list(self.states.values()):
             await self.settle.flush(ledger)
 
     async def hand_over(self) -> int:
         """At shutdown: make what this consumer holds but does not run claimable by others at once
         (and, with ownership, free its leases and leave the group's members)."""
-        released = await self.upkeep.hand_over(self.states.values())
+        released = await self.upkeep.hand_over(list(self.states.values()))  # (a copy, as above)
         if self.ownership is not None:
             await self.ownership.leave()
         return released
