@@ -13,7 +13,6 @@ from typing import Any
 
 from benchmarks import batch_bench, faststream_bench, tracing_bench
 from benchmarks.rows import (
-    SQL_FRAMEWORK_KINDS,
     SQL_WORK_MS,
     SQL_WORKERS,
     Row,
@@ -29,6 +28,7 @@ from benchmarks.rows import (
     _schedule_row,
     _sql_key,
     _workers_row,
+    sql_kinds,
     stats,
 )
 
@@ -100,10 +100,8 @@ class Report(SqlRows):
                 "inbox_bytes_per_id",
             ),
         }
-        for t, kind, w in (
-            (t, k, w) for t in SQL_WORK_MS for k in (*SQL_FRAMEWORK_KINDS, "plain") for w in SQL_WORKERS
-        ):
-            fields[f"{_sql_key(t)}:{kind}:{w}"] = (
+        for work, kind, w in ((t, k, w) for t in SQL_WORK_MS for k in (*sql_kinds(t), "plain") for w in SQL_WORKERS):
+            fields[f"{_sql_key(work)}:{kind}:{w}"] = (
                 "msgs_per_s",
                 "cpu_ms_per_msg",
                 "p50_ms",
@@ -124,7 +122,7 @@ class Report(SqlRows):
         ):
             if key in out and (pr := self.paired(key, field)) is not None:
                 out[key]["ratio_to_raw"] = pr
-        for p, w, kind in ((_sql_key(t), w, k) for t in SQL_WORK_MS for w in SQL_WORKERS for k in SQL_FRAMEWORK_KINDS):
+        for p, w, kind in ((_sql_key(t), w, k) for t in SQL_WORK_MS for w in SQL_WORKERS for k in sql_kinds(t)):
             key, plain = f"{p}:{kind}:{w}", f"{p}:plain:{w}"
             if key in out and (pr := self.paired(key, "msgs_per_s", plain, "msgs_per_s")) is not None:
                 out[key]["ratio_to_plain"] = pr

@@ -10,11 +10,14 @@ from typing import Any
 import attrs
 from rich.table import Table
 
-__all__ = ["Row", "SqlRows", "stats"]
+__all__ = ["Row", "SqlRows", "sql_kinds", "stats"]
 
 SQL_FRAMEWORK_KINDS = {  # the framework kinds the sql benchmark runs, and how their rows name them
     "framework": "Redis + SQL inbox (default)",
     "framework-sqlinbox": 'inbox="sql"',
+}
+SQL_BATCH_KINDS = {  # run at 0 ms of work only: the framework's own cost on the plain consumer's shape of work
+    "framework-batch": "batch handler (BatchPolicy(max_size=100), one executemany), Redis + SQL inbox",
 }
 SQL_WORKERS = (1, 3)
 SQL_WORK_MS = (2.0, 0.0)  # work per message; the trials at 0 ms are keyed "sql:0ms:<kind>:<workers>"
@@ -38,6 +41,11 @@ def _rate(s: dict[str, Any], unit: str = "msg/s") -> str:
 
 def _ms(s: dict[str, Any]) -> str:
     return f"{s['median']:.2f}" + (f" [dim]({s['min']:.2f}-{s['max']:.2f})[/dim]" if len(s["runs"]) > 1 else "")
+
+
+def sql_kinds(work_ms: float) -> dict[str, str]:
+    """The framework kinds the sql benchmark runs at ``work_ms`` of work, and how their rows name them."""
+    return SQL_FRAMEWORK_KINDS if work_ms else {**SQL_FRAMEWORK_KINDS, **SQL_BATCH_KINDS}
 
 
 def _sql_key(work_ms: float) -> str:
@@ -72,10 +80,10 @@ class SqlRows:
         ratios), latency."""
         rows: list[Row] = []
         for work, w in ((work, w) for work in SQL_WORK_MS for w in SQL_WORKERS):
-            for kind in SQL_FRAMEWORK_KINDS:
+            for kind, name in sql_kinds(work).items():
                 fw, plain = sm.get(f"{_sql_key(work)}:{kind}:{w}", {}), sm.get(f"{_sql_key(work)}:plain:{w}", {})
                 if "msgs_per_s" in fw and "msgs_per_s" in plain:
-                    rows += self._sql_pair_rows(fw, plain, work, w, SQL_FRAMEWORK_KINDS[kind])
+                    rows += self._sql_pair_rows(fw, plain, work, w, name)
         w = max(SQL_WORKERS)
         fw, plain = sm.get(f"sql:framework:{w}", {}), sm.get(f"sql:plain:{w}", {})
         if "p99_ms" in fw and "p99_ms" in plain:

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from benchmarks import batch_bench, faststream_bench, machine, runtime_bench, tracing_bench
 from benchmarks.report import Report
-from benchmarks.rows import SQL_FRAMEWORK_KINDS, SQL_WORK_MS, SQL_WORKERS, _sql_key
+from benchmarks.rows import SQL_WORK_MS, SQL_WORKERS, _sql_key, sql_kinds
 
 __all__ = ["FULL", "QUICK", "Runner", "Sizes", "progress"]
 
@@ -107,7 +107,7 @@ class Runner(Report):
 
         s = self.sizes
         for work, workers in ((work, w) for work in SQL_WORK_MS for w in SQL_WORKERS):
-            kinds = ("plain", *SQL_FRAMEWORK_KINDS)
+            kinds = ("plain", *sql_kinds(work))
             if (round_ + workers) % 2 == 0:  # alternate, so drift favours neither
                 kinds = kinds[::-1]
             for kind in kinds:

@@ -77,9 +77,11 @@ __all__ = [
 ]
 
 KINDS = ("framework", "plain")
-FRAMEWORK_MODES = {  # more framework kinds, run by name (not in the default run): (extra `run` options, inbox)
-    "framework-sqlinbox": ((), "sql"),  # Service(inbox="sql"): no Redis inbox, the SQL inbox alone
-    "framework-n1": (("--group-commit-size", "1"), "redis"),  # one transaction per message
+FRAMEWORK_MODES = {  # more framework kinds, run by name: (extra `run` options, inbox, service in sql_services)
+    "framework-sqlinbox": ((), "sql", "service"),  # Service(inbox="sql"): no Redis inbox, the SQL inbox alone
+    "framework-n1": (("--group-commit-size", "1"), "redis", "service"),  # one transaction per message
+    "framework-batch": ((), "redis", "batch_service"),  # the batch handler: a transaction per batch
+    "framework-batch-sqlinbox": ((), "sql", "batch_service"),  # the same with the SQL inbox alone
 }
 KEYS = 1000
 FILL_BATCH = 5000
@@ -150,8 +152,8 @@ def worker_args(
     """The command line (after ``python``) and environment of one worker of ``kind`` (``work_ms`` per message)."""
     env = {"BENCH_DATABASE_URL": db_url, "BENCH_NAMESPACE": namespace, "BENCH_WORK_MS": f"{work_ms:g}"}
     if kind == "framework" or kind in FRAMEWORK_MODES:
-        extra, inbox = FRAMEWORK_MODES.get(kind, ((), "redis"))
-        args = ["-m", "framework", "run", "benchmarks.sql_services:service", "--redis-url", url]
+        extra, inbox, target = FRAMEWORK_MODES.get(kind, ((), "redis", "service"))
+        args = ["-m", "framework", "run", f"benchmarks.sql_services:{target}", "--redis-url", url]
         args += ["--namespace", namespace, "--consumer", consumer, "--log-format", "json", "--log-level", "warning"]
         args += list(extra)
         env["BENCH_INBOX"] = inbox

@@ -37,7 +37,7 @@ import anyio
 import attrs
 from sqlalchemy import text
 
-from framework import Context, Queue, Service
+from framework import BatchContext, BatchPolicy, Context, Queue, Service
 
 __all__ = [
     "EFFECTS_TABLE",
@@ -141,3 +141,29 @@ async def apply(msg: SqlMessage, ctx: Context) -> None:
     if msg.record:
         committed = time.time_ns()
         await ctx.redis.rpush(latency_key(os.environ["BENCH_NAMESPACE"]), f"{msg.seq}:{committed - msg.sent_ns}")
+
+
+BATCH_SIZE = 100
+"""Messages per batch of :data:`batch_service` (the plain consumer's batch size)."""
+batch_service = Service(GROUP, inbox="sql" if os.environ.get("BENCH_INBOX") == "sql" else True)
+
+
+@batch_service.command(SQL_QUEUE, batch=BatchPolicy(max_size=BATCH_SIZE, max_wait=0.005))
+async def apply_batch(msgs: list[SqlMessage], ctx: BatchContext) -> None:
+    """The same work and rows as :func:`apply`, as a batch handler: one transaction and one
+    ``executemany`` per batch (what the plain consumer does), the work per message in turn."""
+    async with ctx.sql_transaction(engine()) as conn:
+        for msg in msgs:
+            if WORK_S:
+                await anyio.sleep(WORK_S)
+            if msg.fail:
+                raise AlwaysFails(f"message {msg.seq} always fails")
+        if _VARIANT == "driver":  # the plain consumer's statement on the same connection, no SQLAlchemy layers
+            raw = (await conn.get_raw_connection()).driver_connection
+            async with raw.cursor() as cur:
+                await cur.executemany(_DRIVER_INSERT, [(m.seq, m.sent_ns) for m in msgs])
+        else:
+            await conn.execute(_INSERT, [{"seq": m.seq, "sent_ns": m.sent_ns} for m in msgs])
+    recorded = [f"{m.seq}:{time.time_ns() - m.sent_ns}" for m in msgs if m.record]
+    if recorded:
+        await ctx[0].redis.rpush(latency_key(os.environ["BENCH_NAMESPACE"]), *recorded)

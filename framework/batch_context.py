@@ -10,6 +10,7 @@ messages staged inside the block (to the outbox table) commit together. See docs
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -158,17 +159,30 @@ class BatchContext:
             raise raised
 
 
+@functools.cache
+def _pg_claim() -> Any:
+    """The PostgreSQL claim of a batch: one statement (compiled once) whatever the batch's size."""
+    from sqlalchemy import text
+
+    return text(
+        "INSERT INTO framework_inbox (group_name, message_id, processed_at) "
+        "SELECT :group, unnest(CAST(:ids AS text[])), now() ON CONFLICT DO NOTHING RETURNING message_id"
+    )
+
+
 async def _claim(conn: AsyncConnection, group: str, message_ids: list[str]) -> set[str]:
     """Insert the inbox rows of ``message_ids`` (sorted: concurrent batches lock them in one order);
     return the ids inserted now (the others were recorded before)."""
-    from sqlalchemy.dialects import postgresql, sqlite
+    from sqlalchemy.dialects import sqlite
 
     from framework.outbox import inbox_table
 
+    ids = sorted(set(message_ids))
+    if conn.dialect.name == "postgresql":
+        return set((await conn.execute(_pg_claim(), {"group": group, "ids": ids})).scalars().all())
     now = datetime.now(UTC)
-    rows = [{"group_name": group, "message_id": m, "processed_at": now} for m in sorted(set(message_ids))]
-    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-    statement = insert(inbox_table).values(rows).on_conflict_do_nothing().returning(inbox_table.c.message_id)
+    rows = [{"group_name": group, "message_id": m, "processed_at": now} for m in ids]
+    statement = sqlite.insert(inbox_table).values(rows).on_conflict_do_nothing().returning(inbox_table.c.message_id)
     return set((await conn.execute(statement)).scalars().all())
 
 
