@@ -161,12 +161,14 @@ class BatchContext:
 
 @functools.cache
 def _pg_claim() -> Any:
-    """The PostgreSQL claim of a batch: one statement (compiled once) whatever the batch's size."""
+    """The PostgreSQL claim of a batch: one statement (compiled once) whatever the batch's size,
+    inserting in the ids' order (sorted by the caller: concurrent batches lock rows in one order)."""
     from sqlalchemy import text
 
     return text(
         "INSERT INTO framework_inbox (group_name, message_id, processed_at) "
-        "SELECT :group, unnest(CAST(:ids AS text[])), now() ON CONFLICT DO NOTHING RETURNING message_id"
+        "SELECT :group, t.id, now() FROM unnest(CAST(:ids AS text[])) WITH ORDINALITY AS t(id, n) ORDER BY t.n "
+        "ON CONFLICT DO NOTHING RETURNING message_id"
     )
 
 

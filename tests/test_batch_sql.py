@@ -168,3 +168,23 @@ def test_workers_killed_mid_batch_lose_nothing_and_apply_nothing_twice(
         workers.stop_all()
         r.close()
     assert anyio.run(_counts, pg_url) == (total, total, total, total, total)
+
+
+@pytest.mark.anyio
+async def test_the_batch_claim_records_new_ids_and_reports_the_ones_recorded_before(pg_url: str) -> None:
+    """One statement for any batch size: ids of any text (quotes, commas, braces) are recorded once,
+    and a later claim returns only the ids it recorded now (the others are the batch's duplicates)."""
+    from framework.batch_context import _claim
+
+    await _prepare(pg_url)
+    first = ["m-1", "it's", 'a,b "c" {d}', "m-1"]
+    later = ["m-2", "it's", *[f"bulk-{i}" for i in range(300)]]
+    engine = outbox.create_engine(pg_url)
+    try:
+        async with engine.begin() as conn:
+            assert await _claim(conn, "ledger", first) == set(first)
+        async with engine.begin() as conn:
+            assert await _claim(conn, "ledger", later) == set(later) - {"it's"}
+    finally:
+        await engine.dispose()
+    assert (await _counts(pg_url))[4] == 3 + 301
