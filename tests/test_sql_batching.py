@@ -92,7 +92,7 @@ async def test_group_commit_applies_every_effect_once_with_many_handlers_in_flig
         await engine.dispose()
     assert await _counts(pg_url) == (300, 300, 300, 300)
     committer = probe.committer
-    assert committer.members == 300
+    assert committer.members == 300 and committer.lanes == settings.concurrency
     assert committer.commits < 300 / 3, f"{committer.commits} commits for 300 messages: no grouping"
     assert stats["duplicates"] == 1 and stats["failed"] == 0
 
@@ -551,3 +551,41 @@ async def test_blocks_finishing_further_apart_than_the_group_wait_commit_at_once
     rows, _ = await _rows(pg_url)
     assert len(rows) == 20
     assert committer.commits == committer.members == 20
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": True})])  # as workers run
+async def test_no_transaction_lingers_while_every_lane_waits_for_a_commit(pg_url: str) -> None:
+    """Blocks finishing quickly one after another would make a transaction linger for the next
+    ones; but once every handler the process can run (its lanes) is a finished member waiting
+    for a commit, none can start: the open transactions commit at once instead of after the wait.
+    (When lanes have run out of work, the last members do linger: more work could come.)"""
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    wait, lanes, runs = 1.0, 8, 12
+    committer = group_commit.GroupCommitter(engine, size=64, wait=wait, connections=4, lanes=lanes)
+    waits: list[float] = []
+
+    async def lane(i: int) -> None:  # one lane: its handlers one after another, each with a block
+        for k in range(runs):
+            async with committer.transaction(_BlockContext(f"m-{i}-{k}")) as conn:  # type: ignore[arg-type]
+                await conn.execute(text("INSERT INTO applied (n) VALUES (:n)"), {"n": f"{i}-{k}"})
+                ended = time.monotonic()
+            waits.append(time.monotonic() - ended)
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(lanes):
+                    tg.start_soon(lane, i)
+    finally:
+        await committer.aclose()
+        await engine.dispose()
+    rows, inbox = await _rows(pg_url)
+    assert rows == {f"{i}-{k}" for i in range(lanes) for k in range(runs)}
+    assert inbox == {f"m-{i}-{k}" for i in range(lanes) for k in range(runs)}
+    assert committer.commits < committer.members == lanes * runs  # still grouped
+    # lingering would hold every round of the lanes for the whole wait; a commit takes milliseconds.
+    # Only the last members, once some lanes have finished all their runs, may wait for the timer.
+    slow = [w for w in waits if w >= wait / 2]
+    assert len(slow) <= lanes, f"{len(slow)} of {len(waits)} blocks waited about {wait:g} s: they lingered"

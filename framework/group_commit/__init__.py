@@ -41,7 +41,9 @@ When a member finishes, its transaction commits at once unless others can join i
 handlers wait for a link, or while blocks have been finishing less than ``group_commit_wait``
 apart (a moving average: a steady moderate load), when the link goes back free with its
 transaction open and the next block to start joins it (no ``BEGIN`` of its own); a timer commits
-it ``group_commit_wait`` after its first member finished. At lower rates nothing waits.
+it ``group_commit_wait`` after its first member finished. At lower rates nothing waits. Nor does
+anything linger once every handler the process can run at once (``concurrency``) is a finished
+member waiting for a commit: no block could join, so the open transactions commit at once.
 
 The bound on added latency: a finished member waits at most ``group_commit_wait`` plus the rest of
 the block running on its link at that moment (a transaction cannot commit half a block).

@@ -114,6 +114,8 @@ class GroupCommitter(LinkPool):
         if link.members == 1:
             link.since = time.monotonic()
         if link not in self._links or self._must_end(link):  # this member ends it (shielded: others wait on it)
+            if self._stalled():  # every handler waits for a commit: end the lingering ones too
+                self._end_lingering(link)
             with anyio.CancelScope(shield=True):
                 await self._release(link)
         else:  # the common case with handlers waiting: nothing to await

@@ -66,7 +66,11 @@ class GroupCommits:
             group_commit_wait_ms=round(settings.group_commit_wait * 1000, 3),
         )
         return GroupCommitter(
-            engine, size=settings.group_commit_size, wait=settings.group_commit_wait, connections=connections
+            engine,
+            size=settings.group_commit_size,
+            wait=settings.group_commit_wait,
+            connections=connections,
+            lanes=settings.concurrency,  # (an isolated redelivery may run beside them: it starts a transaction)
         )
 
     @contextlib.contextmanager

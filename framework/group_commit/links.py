@@ -92,11 +92,14 @@ class _Link:
 class LinkPool:
     """A committer's links and the transactions open on them (see the module docstring)."""
 
-    def __init__(self, engine: AsyncEngine, *, size: int, wait: float, connections: int) -> None:
+    def __init__(
+        self, engine: AsyncEngine, *, size: int, wait: float, connections: int, lanes: int | None = None
+    ) -> None:
         self.engine = engine
         self.size = size
         self.wait = wait
         self.connections = connections
+        self.lanes = lanes  # handlers the process runs at once (None: unknown): see ``_stalled``
         self._free: list[_Link] = []
         self._waiters: deque[asyncio.Future[_Link]] = deque()  # handlers waiting for a link, first come first
         self._opened = 0
@@ -154,8 +157,23 @@ class LinkPool:
         if link.members:
             if link.members >= self.size or time.monotonic() - link.since >= self.wait:
                 return True
-            return not self._waiters and not self._worth_lingering()
+            return not self._waiters and (self._stalled() or not self._worth_lingering())
         return link.open and not self._waiters
+
+    def _stalled(self) -> bool:
+        """Whether every handler the process can run at once is a finished member waiting for a
+        commit here: no block can start before one commits, so no transaction should linger."""
+        lanes = self.lanes
+        return lanes is not None and sum(link.members for link in self._links) >= lanes
+
+    def _end_lingering(self, keep: _Link) -> None:
+        """End every free link's open transaction now (but ``keep``'s, which its caller ends)."""
+        loop = asyncio.get_running_loop()
+        for link in [link for link in self._free if link is not keep and link.members]:
+            self._free.remove(link)
+            task = loop.create_task(self._release(link, force=True))
+            self._enders.add(task)
+            task.add_done_callback(self._enders.discard)
 
     def _worth_lingering(self) -> bool:
         """Whether, with no handler waiting, a finished member's transaction should stay open for
@@ -207,10 +225,10 @@ class LinkPool:
         if link.members:
             self._linger(link)
 
-    async def _release(self, link: _Link) -> None:
-        """A member is done with ``link``: commit if it is time, then hand it to the next waiter."""
+    async def _release(self, link: _Link, *, force: bool = False) -> None:
+        """A member is done with ``link``: commit if it is time (or ``force``), then hand it to the next waiter."""
         if link.members:
-            if self._must_end(link):
+            if force or self._must_end(link):
                 await self._commit(link)
         elif link.open and not self._waiters:  # nothing in it (its only member was a duplicate): end it
             await self._rollback(link)
