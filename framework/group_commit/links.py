@@ -168,12 +168,15 @@ class LinkPool:
 
     def _end_lingering(self, keep: _Link) -> None:
         """End every free link's open transaction now (but ``keep``'s, which its caller ends)."""
-        loop = asyncio.get_running_loop()
         for link in [link for link in self._free if link is not keep and link.members]:
-            self._free.remove(link)
-            task = loop.create_task(self._release(link, force=True))
-            self._enders.add(task)
-            task.add_done_callback(self._enders.discard)
+            self._end_in_task(link, force=True)
+
+    def _end_in_task(self, link: _Link, *, force: bool = False) -> None:
+        """Take the free ``link`` and release it in a task of its own (awaited by :meth:`aclose`)."""
+        self._free.remove(link)
+        task = asyncio.get_running_loop().create_task(self._release(link, force=force))
+        self._enders.add(task)
+        task.add_done_callback(self._enders.discard)
 
     def _worth_lingering(self) -> bool:
         """Whether, with no handler waiting, a finished member's transaction should stay open for
@@ -207,10 +210,7 @@ class LinkPool:
         if (left := link.since + self.wait - time.monotonic()) > 0:  # timers may fire a little early
             asyncio.get_running_loop().call_later(left, self._linger_over, link, group)
             return
-        self._free.remove(link)
-        task = asyncio.get_running_loop().create_task(self._release(link))
-        self._enders.add(task)
-        task.add_done_callback(self._enders.discard)
+        self._end_in_task(link)
 
     def _hand_over(self, link: _Link) -> None:
         """Give ``link`` to the first handler waiting for one, else put it back."""
