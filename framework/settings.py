@@ -93,7 +93,8 @@ class RuntimeSettings:
     group_commit_size   ``ctx.sql_transaction`` blocks (PostgreSQL) committed together at most: the
                         blocks of one worker run as members of a shared transaction that commits
                         after this many, after ``group_commit_wait``, or at once when no other block
-                        waits for its connection and blocks finish further apart than the wait;
+                        waits for its connection and the next block would not start and finish
+                        within the wait (moving averages);
                         1 is one transaction per message. Keep it at most
                         64 (PostgreSQL's per-transaction cache of subtransactions)
     group_commit_wait   seconds a finished block waits at most for others to join its commit (plus

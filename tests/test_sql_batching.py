@@ -555,6 +555,29 @@ async def test_blocks_finishing_further_apart_than_the_group_wait_commit_at_once
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": True})])  # as workers run
+async def test_blocks_that_take_most_of_the_group_wait_commit_at_once(pg_url: str) -> None:
+    """Blocks finishing less than the group wait apart, but each taking most of it: a block that
+    starts after one finished could not finish within the wait, so lingering would only delay the
+    first member's commit by the whole wait. Each commits alone, at once."""
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    wait = 0.03
+    committer = group_commit.GroupCommitter(engine, size=64, wait=wait, connections=4)
+    try:
+        waits = await _trickle(committer, spacing=0.02, count=30, block=0.015)
+    finally:
+        await committer.aclose()
+        await engine.dispose()
+    rows, _ = await _rows(pg_url)
+    assert len(rows) == 30
+    # (lingering: about one commit per two blocks, the first of each waiting 30 ms or more)
+    assert committer.commits == committer.members == 30, f"{committer.commits} commits for 30 blocks: some lingered"
+    slow = [w for w in waits if w >= wait]
+    assert not slow, f"{len(slow)} of 30 blocks waited {max(slow) * 1000:.0f} ms or more for their commit"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": True})])  # as workers run
 async def test_no_transaction_lingers_while_every_lane_waits_for_a_commit(pg_url: str) -> None:
     """Blocks finishing quickly one after another would make a transaction linger for the next
     ones; but once every handler the process can run (its lanes) is a finished member waiting

@@ -38,10 +38,12 @@ Outcomes stay per message:
   that safe. A handler that catches these errors still fails: the runtime checks the block's outcome.
 
 When a member finishes, its transaction commits at once unless others can join it soon: while
-handlers wait for a link, or while blocks have been finishing less than ``group_commit_wait``
-apart (a moving average: a steady moderate load), when the link goes back free with its
-transaction open and the next block to start joins it (no ``BEGIN`` of its own); a timer commits
-it ``group_commit_wait`` after its first member finished. At lower rates nothing waits. Nor does
+handlers wait for a link, or while the next block is due and done within ``group_commit_wait``
+(moving averages of the time between blocks finishing and of a block's time on its link: a
+steady load of short blocks), when the link goes back free with its transaction open and the
+next block to start joins it (no ``BEGIN`` of its own); a timer commits it ``group_commit_wait``
+after its first member finished. At lower rates, or with blocks that take most of the wait,
+nothing waits (lingering would delay the first member by the whole wait for hardly a joiner). Nor does
 anything linger once every handler the process can run at once (``concurrency``) is a finished
 member waiting for a commit: no block could join, so the open transactions commit at once.
 

@@ -59,6 +59,7 @@ class GroupCommitter(LinkPool):
         key = (ctx.service, ctx.message_id)
         service, message_id = self._service_literal(key[0]), _literal(key[1])  # a bad id fails here, early
         link = await self._acquire()
+        started = time.monotonic()
         group = link.group
         if group is not None and key in group.ids:  # a copy of an earlier member: its outcome decides
             with anyio.CancelScope(shield=True):
@@ -108,7 +109,7 @@ class GroupCommitter(LinkPool):
             raise
         ctx._unstage_from(before)
         self.failure_rate -= self.failure_rate * _DECAY
-        self._finished()
+        self._finished(started)
         link.members += 1
         group.ids[key] = f"({service}, {message_id}, now())"
         if link.members == 1:

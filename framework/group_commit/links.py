@@ -110,6 +110,7 @@ class LinkPool:
         self.members = 0  # members committed
         self.rollbacks = 0  # shared transactions rolled back for one member (its failure or duplicate)
         self.gap = wait * 2  # moving average of the time between blocks finishing (``_worth_lingering``)
+        self.span = 0.0  # moving average of a block's time on its link, from taking it to finishing
         self._last_finish = 0.0
         self._enders: set[asyncio.Task[None]] = set()  # transactions ended by their linger timer
 
@@ -180,16 +181,22 @@ class LinkPool:
 
     def _worth_lingering(self) -> bool:
         """Whether, with no handler waiting, a finished member's transaction should stay open for
-        blocks finishing soon (until ``wait`` after its first member): when blocks have been
-        finishing less than ``wait`` apart. At lower rates nothing would join; it commits at once."""
-        return self.gap < self.wait
+        blocks finishing soon (until ``wait`` after its first member finished): only a block that
+        starts on the link later can join, and it must finish within the wait, so it is worth it
+        when the next block is due (``gap``) and done (``span``) within ``wait``. Otherwise (a low
+        rate, or blocks that take most of the wait) it commits at once: lingering would add
+        ``wait`` to the first member's commit for hardly a joiner."""
+        return self.gap + self.span < self.wait
 
-    def _finished(self) -> None:
-        """A block finished: update the moving average of the time between blocks finishing."""
+    def _finished(self, started: float) -> None:
+        """A block that took its link at ``started`` finished: update the moving averages of the
+        time between blocks finishing and of a block's time on its link."""
         now = time.monotonic()
-        sample = min(now - self._last_finish, 4 * self.wait)  # one idle spell does not count for long
+        cap = 4 * self.wait  # one idle spell or one slow block does not count for long
+        sample = min(now - self._last_finish, cap)
         self._last_finish = now
         self.gap += (sample - self.gap) * 0.125
+        self.span += (min(now - started, cap) - self.span) * 0.125
 
     def _linger(self, link: _Link) -> None:
         """``link`` goes back free with members in its transaction: end it ``wait`` after its first
