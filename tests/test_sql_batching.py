@@ -501,6 +501,20 @@ async def _trickle(committer: Any, spacing: float, count: int, block: float) -> 
     return waits
 
 
+async def _trickled(pg_url: str, wait: float, spacing: float, count: int, block: float) -> tuple[Any, list[float]]:
+    """:func:`_trickle` on a fresh committer (4 connections, ``wait``) over ``pg_url``'s prepared
+    tables; return the closed committer (its counters) and the blocks' waits for their commits."""
+    await _prepare(pg_url)
+    engine = outbox.create_engine(pg_url)
+    committer = group_commit.GroupCommitter(engine, size=64, wait=wait, connections=4)
+    try:
+        waits = await _trickle(committer, spacing=spacing, count=count, block=block)
+    finally:
+        await committer.aclose()
+        await engine.dispose()
+    return committer, waits
+
+
 async def _rows(pg_url: str) -> tuple[set[str], set[str]]:
     engine = outbox.create_engine(pg_url)
     try:
@@ -518,15 +532,8 @@ async def test_under_a_steady_trickle_a_finished_transaction_stays_open_for_the_
     """Blocks finishing less than the group wait apart, never waiting for a connection: each
     transaction stays open for the next blocks (fewer commits than blocks), a timer ends it, so
     every block returns within the wait bound, the last ones too."""
-    await _prepare(pg_url)
-    engine = outbox.create_engine(pg_url)
     wait = 0.03
-    committer = group_commit.GroupCommitter(engine, size=64, wait=wait, connections=4)
-    try:
-        waits = await _trickle(committer, spacing=0.0015, count=300, block=0.001)
-    finally:
-        await committer.aclose()
-        await engine.dispose()
+    committer, waits = await _trickled(pg_url, wait, spacing=0.0015, count=300, block=0.001)
     rows, inbox = await _rows(pg_url)
     assert rows == {str(n) for n in range(300)} and inbox == {f"m-{n}" for n in range(300)}
     assert committer.members == 300
@@ -540,14 +547,7 @@ async def test_under_a_steady_trickle_a_finished_transaction_stays_open_for_the_
 @pytest.mark.anyio
 async def test_blocks_finishing_further_apart_than_the_group_wait_commit_at_once(pg_url: str) -> None:
     """At a low rate nothing would join a transaction: each block commits alone, without waiting."""
-    await _prepare(pg_url)
-    engine = outbox.create_engine(pg_url)
-    committer = group_commit.GroupCommitter(engine, size=64, wait=0.01, connections=4)
-    try:
-        await _trickle(committer, spacing=0.04, count=20, block=0.0)
-    finally:
-        await committer.aclose()
-        await engine.dispose()
+    committer, _ = await _trickled(pg_url, 0.01, spacing=0.04, count=20, block=0.0)
     rows, _ = await _rows(pg_url)
     assert len(rows) == 20
     assert committer.commits == committer.members == 20
@@ -559,15 +559,8 @@ async def test_blocks_that_take_most_of_the_group_wait_commit_at_once(pg_url: st
     """Blocks finishing less than the group wait apart, but each taking most of it: a block that
     starts after one finished could not finish within the wait, so lingering would only delay the
     first member's commit by the whole wait. Each commits alone, at once."""
-    await _prepare(pg_url)
-    engine = outbox.create_engine(pg_url)
     wait = 0.03
-    committer = group_commit.GroupCommitter(engine, size=64, wait=wait, connections=4)
-    try:
-        waits = await _trickle(committer, spacing=0.02, count=30, block=0.015)
-    finally:
-        await committer.aclose()
-        await engine.dispose()
+    committer, waits = await _trickled(pg_url, wait, spacing=0.02, count=30, block=0.015)
     rows, _ = await _rows(pg_url)
     assert len(rows) == 30
     # (lingering: about one commit per two blocks, the first of each waiting 30 ms or more)
