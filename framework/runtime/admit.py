@@ -5,7 +5,7 @@ handlers of the service share the group (or one has a filter), pick each deliver
 type and headers before decoding and ack what none wants (:mod:`framework.runtime.dispatch`); dead-letter
 what cannot run (undecodable, an invalid payload, a failing key function: poison); drop duplicates
 through the inbox (:func:`framework.inbox.check_inbox`); decode payloads and sort the rest:
-keyed work to the lane its key hashes to, keyless work to any free lane, and redelivered work
+keyed work to one lane per key (:mod:`framework.runtime.lanes`), keyless work to any free lane, and redelivered work
 through the crash-loop rule (:meth:`Admission.sort_redeliveries`), isolating suspects.
 """
 
@@ -62,7 +62,7 @@ class Admission:
         key_fn = handler.key
         lanes = self.lanes
         scope = self.scope
-        by_lane: dict[int, list[Work]] = {}
+        by_key: dict[Any, list[Work]] = {}
         keyless: list[Work] = []
         isolated: list[Isolated] = []
         redelivered: list[tuple[Delivery, Any, Any]] = []  # (delivery, payload, key), once one is met
@@ -118,10 +118,9 @@ class Admission:
             elif gates and lanes.gated(scope, lane_key):  # isolated work of this key runs first
                 isolated.append(((d, payload), False, lane_key))
             else:
-                index = lanes.lane_for(scope, lane_key)
-                works = by_lane.get(index)
+                works = by_key.get(lane_key)
                 if works is None:
-                    by_lane[index] = [(d, payload)]
+                    by_key[lane_key] = [(d, payload)]
                 else:
                     works.append((d, payload))
         for d, reason in poison:
@@ -129,8 +128,8 @@ class Admission:
         if expired:
             self._expired(ledger, expired)
         if redelivered:
-            await self.sort_redeliveries(ledger, redelivered, by_lane, keyless, isolated)
-        (self.submit or lanes.submit)(self.worker, ledger, by_lane, keyless, isolated, scope)
+            await self.sort_redeliveries(ledger, redelivered, by_key, keyless, isolated)
+        (self.submit or lanes.submit)(self.worker, ledger, by_key, keyless, isolated, scope)
 
     async def _prepare(self, ledger: Ledger, runnable: list[Delivery], channel: Any, prepare: Any) -> None:
         """The handler's read-ahead for the batch (see ``Handler.prepare``): a failure is logged,
@@ -144,7 +143,7 @@ class Admission:
         self,
         ledger: Ledger,
         items: list[tuple[Delivery, Any, Any]],
-        by_lane: dict[int, list[Work]],
+        by_key: dict[Any, list[Work]],
         keyless: list[Work],
         isolated: list[Isolated],
     ) -> None:
@@ -205,7 +204,7 @@ class Admission:
             elif key in suspect_keys or lanes.gated(scope, key):
                 isolated.append((work, False, key))
             else:
-                by_lane.setdefault(lanes.lane_for(scope, key), []).append(work)
+                by_key.setdefault(key, []).append(work)
 
     async def count_suspect_run(self, ledger: Ledger, d: Delivery) -> bool:
         """Count a suspect's run just before it starts; dead-letter it instead when it keeps killing workers.

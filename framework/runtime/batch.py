@@ -86,22 +86,22 @@ class BatchConsumer(Consumer):
         self,
         worker: Worker,
         view: Any,
-        by_lane: dict[int, list[Work]],
+        by_key: dict[Any, list[Work]],
         keyless: list[Work] | None = None,
         isolated: Iterable[tuple[Work, bool, Hashable]] = (),
         scope: int = 0,
     ) -> None:
         """Admitted work (the admit stage's ``submit``): kept in arrival order until it forms a batch.
 
-        Each key's works arrive in order (the admit stage keeps it per lane, and isolates suspects
-        with the later works of their keys), so appending lane by lane keeps every key's order."""
+        Each key's works arrive in order (the admit stage keeps it per key, and isolates suspects
+        with the later works of their keys), so appending key by key keeps every key's order."""
         part = self._parts.get(id(view))
         if part is None:  # the partition's tenure is over: its work stays pending
-            view.forget([d for works in by_lane.values() for d, _ in works])
+            view.forget([d for works in by_key.values() for d, _ in works])
             view.forget([d for d, _ in keyless or ()])
             view.forget([w[0] for w, _, _ in isolated])
             return
-        arrived = [(w, False) for works in by_lane.values() for w in works]
+        arrived = [(w, False) for works in by_key.values() for w in works]
         arrived += [(w, False) for w in keyless or ()]
         arrived += [(w, suspect) for w, suspect, _ in isolated]
         if not arrived:
@@ -155,8 +155,7 @@ class BatchConsumer(Consumer):
                 ids.add(d.message_id)
                 batch.append(item[0])
             pending.extendleft(reversed(skipped))
-            lane = lanes.lane_for(self.wiring.scope, ("batch", part.ledger.partition))
-            lanes.submit(self, part.ledger, {lane: [batch]}, None, (), self.wiring.scope)
+            lanes.submit(self, part.ledger, {("batch", part.ledger.partition): [batch]}, None, (), self.wiring.scope)
         if pending:
             part.first_at = time.monotonic()
 
