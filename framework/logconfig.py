@@ -85,7 +85,9 @@ def configure_logging(level: str | None = None, fmt: str | None = None) -> None:
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _STDERR)),
+        # one write per line, its newline included: the processes of `--workers N` share stderr, and a
+        # line written in two parts (print's text, then its newline) can end up inside another's
+        logger_factory=structlog.WriteLoggerFactory(file=cast(TextIO, _STDERR)),
         cache_logger_on_first_use=True,
     )
     set_configured_level(numeric)

@@ -275,3 +275,37 @@ def test_a_second_configure_logging_reaches_loggers_already_in_use() -> None:
         assert [e["event"] for e in logs] == ["seen by the capture"]
     finally:
         structlog.configure(**before)
+
+
+def test_processes_sharing_stderr_write_whole_lines(tmp_path: Path) -> None:
+    """The workers of ``framework run --workers N`` share their stderr: each JSON line is written
+    in one piece, its newline included, so no line ends up inside another (print wrote the text
+    and its newline apart, and lines of two processes ran together under load)."""
+    script = textwrap.dedent(
+        """
+        import logging, sys
+        from framework.logconfig import configure_logging
+        configure_logging("info", "json")
+        log = __import__("structlog").get_logger("writer")
+        std = logging.getLogger("writer.std")
+        for i in range(1500):
+            log.info("line", writer=sys.argv[1], n=i, pad="x" * 200)
+            if i % 10 == 0:
+                std.warning("stdlib line %d", i)
+        """
+    )
+    out = tmp_path / "shared.log"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    with out.open("w") as shared:
+        procs = [
+            subprocess.Popen([sys.executable, "-c", script, str(w)], stderr=shared, stdout=subprocess.DEVNULL, env=env)
+            for w in range(4)
+        ]
+        for p in procs:
+            assert p.wait(timeout=60) == 0
+    lines = out.read_text().splitlines()
+    broken = [line[:120] for line in lines if not line.startswith("{") or not line.endswith("}")]
+    assert not broken, f"{len(broken)} of {len(lines)} lines are parts of lines: {broken[:3]}"
+    records = [json.loads(line) for line in lines]
+    assert sum(r["event"] == "line" for r in records) == 4 * 1500
+    assert sum(r["event"].startswith("stdlib line") for r in records) == 4 * 150
