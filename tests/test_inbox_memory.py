@@ -154,6 +154,23 @@ async def test_a_rate_the_slot_was_not_sized_for_starts_smaller_buckets_and_ever
     assert await claim(broker, view, [uuid7_at(t + 3) for _ in range(100)]) == [0] * 100
 
 
+async def test_ids_of_a_burst_after_a_quiet_spell_are_found_where_they_were_written(broker: RedisBroker) -> None:
+    """A quiet spell starts longer buckets; a burst right after overflows one and asks for the span
+    of before: that drops the longer span no id was recorded in yet. The burst's ids must be
+    written under the span they are looked up with (before the fix: written in the longer span's
+    bucket, never found again: each a duplicate that would run again)."""
+    view = await _view(broker)
+    t = now_ms() // INBOX_SLOT_MS * INBOX_SLOT_MS - INBOX_SLOT_MS + 1000  # a slot of id time ahead
+    await broker.redis.hset(f"{view.keys.inbox}:{inbox_slot(t - INBOX_SLOT_MS)}", "n", 64 * INBOX_SLOT_MS)
+    await record(broker, view, [uuid7_at(t)])  # 64 ids/ms before: 1 ms buckets; alone here: longer ones
+    meta = f"{view.keys.inbox}:{inbox_slot(t)}"
+    assert len((await broker.redis.hget(meta, "r")).split(b",")) == 2
+    burst = [uuid7_at(t + 10 + i // 70) for i in range(210)]  # 70 ids/ms: back to 1 ms buckets
+    await record(broker, view, burst)
+    assert await claim(broker, view, burst) == [1] * len(burst)
+    assert await broker.redis.hget(meta, "r") == b"0:0"
+
+
 async def test_acks_out_of_id_order_after_a_burst_keep_buckets_compact(broker: RedisBroker) -> None:
     """A backlog drained at start (3,000 ids within 100 ms), then a steady 1.6 ids/ms acked 5 at a
     time out of id order (three workers, handlers of different lengths: up to 60 ms late): the

@@ -183,14 +183,18 @@ end
 
 -- Start a regime with shift s for ids above every id recorded so far (m.h): ids already written
 -- keep the span they were written with (a bucket's key names its span, so old and new never mix).
+-- Returns true when the regimes changed: ids grouped by the old ones must be grouped again (a
+-- regime dropped for the one before it changes them as much as a new one does).
 local function inbox_regime(m, s, old)
-  if s == old or #m.r >= INBOX_REGIMES then return end
+  if s == old or #m.r >= INBOX_REGIMES then return false end
   local r = m.r
   local t = m.h + 1
-  if r[#r][1] >= t then r[#r] = nil; m.dirty = true end  -- a regime no id was recorded in yet
-  if r[#r] and r[#r][2] == s then return end
+  local changed = false
+  if r[#r][1] >= t then r[#r] = nil; m.dirty = true; changed = true end  -- a regime no id was recorded in yet
+  if r[#r] and r[#r][2] == s then return changed end
   r[#r + 1] = {t, s}
   m.dirty = true
+  return true
 end
 
 -- The slot's rate so far, ids per ms (from its count and the span of its ids' times)
@@ -248,7 +252,7 @@ local function inbox_flush(base)
     -- buckets above every id recorded before (m.h), and the ids are grouped again.
     local buckets, border
     local ts, fs = g.ts, g.fs
-    for _ = 1, 4 do
+    for attempt = 1, 5 do  -- (the fifth grouping is final: it uses the regimes that are kept)
       buckets, border = {}, {}
       local lo, hi, b = 0, -1, nil  -- the span of the previous id's bucket, and the bucket
       for i = 1, g.n do
@@ -272,11 +276,9 @@ local function inbox_flush(base)
       local split = false
       for _, b in ipairs(border) do
         local count = b.c / 2
-        if count > INBOX_MAX and b.s > 0 then
-          local before = #m.r
+        if attempt < 5 and count > INBOX_MAX and b.s > 0 then
           local rate = math.max(count / 2 ^ b.s, count / (b.t - b.lo + 1))
-          inbox_regime(m, inbox_shift_for(rate), b.s)
-          if #m.r > before then split = true; break end
+          if inbox_regime(m, inbox_shift_for(rate), b.s) then split = true; break end
         end
       end
       if not split then break end
