@@ -130,3 +130,34 @@ async def check_read_leased_takes_the_leases_of_what_it_reads(make: BrokerFactor
             statuses = list(await inbox.inbox_claim(view, again, 60_000))
         assert statuses == [DUPLICATE, ELSEWHERE], f"a processed copy is a duplicate, one running elsewhere: {statuses}"
         assert await inbox.read_leased(view, "b", 100, 0, lease_ms=60_000) == [], "nothing new: nothing read"
+
+
+@check(requires=("inbox",))
+async def check_a_leased_read_that_reached_the_end_wakes_for_the_next_message(
+    make: BrokerFactory, features: Features
+) -> None:
+    """``read_leased`` after a read that took everything there was: its wait starts where that read
+    ended, so a message published during the wait comes back from it, leased, long before the wait's
+    end (a wait started past it would sleep through it until the block time runs out)."""
+    names = Names()
+    async with one_broker(make) as broker:
+        inbox = as_inbox(broker)
+        spec = await broker.declare(DestinationSpec(names("billing.refund"), "command"))
+        [view] = await broker.subscribe(spec, "billing")
+        await broker.publish([command(spec.name, i) for i in range(3)])
+        first = await inbox.read_leased(view, "a", 100, 10, lease_ms=60_000)
+        assert len(first) == 3
+        await broker.ack(view, first, inbox=True)  # (a queue deletes acknowledged entries)
+        late = command(spec.name, 3)
+        got: list[Delivery] = []
+
+        async def wait() -> None:
+            got.extend(await inbox.read_leased(view, "a", 100, 20_000, lease_ms=60_000))
+
+        with anyio.fail_after(15):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait)
+                await anyio.sleep(0.2)  # the read waits now
+                await broker.publish([late])
+        assert [d.message_id for d in got] == [late.id], "the wait slept through a new message"
+        assert [d.inbox_status for d in got] in ([RUN], [None])

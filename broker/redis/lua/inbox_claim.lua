@@ -18,7 +18,7 @@
 -- 1 = already processed (a duplicate: ack it without running), 2 = being processed elsewhere.
 -- The read that takes new entries takes their leases itself (intake.lua); this call serves the
 -- rest: backlogs read in large batches, claims, re-reads of a consumer's own pending entries.
---#include inbox_store
+--#include inbox_read
 --#include inbox_lease
 local c = tonumber(ARGV[5])
 return inbox_lease(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[4], ARGV, 5, tonumber(ARGV[3]), c, ARGV[6 + c])

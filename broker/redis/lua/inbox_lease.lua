@@ -1,5 +1,5 @@
 -- inbox_lease.lua: check ids against the group's inbox and lease the new ones; included (not run
--- alone) by inbox_claim.lua and intake.lua, after inbox_store.lua.
+-- alone) by inbox_claim.lua and intake.lua, after inbox_read.lua.
 --
 -- base    the group's inbox zset (see inbox_claim.lua)
 -- now     Unix ms; lease_ms: the lease's length; window: the group's dedup window, ms, as text

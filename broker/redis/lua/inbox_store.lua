@@ -1,6 +1,7 @@
--- inbox_store.lua: the inbox's processed-id buckets, included (not run alone) by inbox_claim.lua,
--- ack.lua and commit_effects.lua (see broker/redis/keys.py for the layout and broker/redis/scripts.py for
--- the include).
+-- inbox_store.lua: the inbox's processed-id buckets, included (not run alone) by ack.lua and
+-- commit_effects.lua, which record ids; inbox_claim.lua and intake.lua only look ids up and include
+-- inbox_read.lua (included here) alone (see broker/redis/keys.py for the layout and
+-- broker/redis/scripts.py for the include).
 --
 -- A processed UUIDv7/v8 message id is one field of a small hash holding the ids of one short span
 -- of id time, kept in the server's compact listpack encoding (13-byte fields, about 64 per hash,
@@ -25,39 +26,16 @@
 -- Only commands of the documented worker ACL are used (HGET, HMGET, HSET, HLEN, SADD, PEXPIRE, TIME).
 --
 -- Any other id is kept by its hash (inbox_hashed.lua, included here): its record's 7th byte is 1.
---#include inbox_hashed
+--#include inbox_read
+--#include inbox_hashed_record
 local INBOX_FILL = 64
 local INBOX_MAX = 128
 local INBOX_SPARSE = 8
 local INBOX_DEFAULT_SHIFT = 8   -- 256 ms buckets until the rate is known
-local INBOX_SLOT = 1048576      -- 2^20 ms
 local INBOX_REGIMES = 16        -- at most this many span changes in one slot
 local INBOX_DEFAULT_WINDOW = 7 * 24 * 3600 * 1000
-
-local inbox_metas = {}    -- slot number -> {key, r = {{t, s}, ...}, n, h, dirty} or false
 local inbox_pt, inbox_pf = {}, {}  -- ids to record (inbox_record_all): their times, their 13-byte fields
 local inbox_hp = {}  -- hashed records to record (inbox_record_all)
-
--- The scripts take the ids' 16-byte forms from the caller as one string of 16-byte records
--- (broker.redis.keys.inbox_records: 16 zero bytes for ids that are not UUIDv7/v8, kept in the zset):
--- deriving them in Lua, or taking one argument per id, costs microseconds of server time per id.
--- The loops below do per id only what cannot be done per bucket: its time, two comparisons with
--- the span of the bucket the ids before it fell in (ids are time-ordered: runs share a bucket),
--- and its 13-byte field.
-
-local INBOX_ZERO = string.rep('\0', 16)  -- the record of an id that is not UUIDv7/v8 (see inbox_t)
-local INBOX_POW = {}  -- 2^S, S = 0..20
-for i = 0, 20 do INBOX_POW[i] = 2 ^ i end
-
--- The id time (48-bit Unix ms, exact in a Lua number) of the record at offset o (0-based) of a
--- string of 16-byte records, or nil for a zero record (from an older client: an id that is not
--- UUIDv7/v8, kept in the zset) or a hashed record: their 7th byte is 0 or 1, a UUID's version
--- byte 0x7? or 0x8?.
-local function inbox_t(recs, o)
-  local a, b, c, d, e, f, v = string.byte(recs, o + 1, o + 7)
-  if v < 112 then return nil end
-  return ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f
-end
 
 local function inbox_shift_for(per_ms)  -- the S whose buckets hold about INBOX_FILL ids at this rate
   local s, span = 0, INBOX_FILL / per_ms
@@ -65,102 +43,10 @@ local function inbox_shift_for(per_ms)  -- the S whose buckets hold about INBOX_
   return s
 end
 
-local function inbox_meta(base, slot)
-  local m = inbox_metas[slot]
-  if m == nil then
-    local key = base .. ':' .. string.format('%07x', slot)
-    local v = redis.call('HMGET', key, 'r', 'n', 'h', 'f')
-    if v[1] then
-      local r = {}
-      for t, s in string.gmatch(v[1], '(%d+):(%d+)') do r[#r + 1] = {tonumber(t), tonumber(s)} end
-      m = {key = key, r = r, n = tonumber(v[2]) or 0, h = tonumber(v[3]) or 0, f = tonumber(v[4])}
-    else
-      m = false
-    end
-    inbox_metas[slot] = m
-  end
-  return m
-end
-
--- The index in m.r of the regime id time t falls in.
-local function inbox_regime_at(m, t)
-  local r = m.r
-  local i = 1
-  while r[i + 1] and r[i + 1][1] <= t do i = i + 1 end
-  return i
-end
-
 -- The regime id time t falls in: its shift S and the id time it starts at.
 local function inbox_shift(m, t)
   local r = m.r[inbox_regime_at(m, t)]
   return r[2], r[1]
-end
-
--- The bucket of id time t under the slot's regimes: its key, its shift S, and the span [lo, hi)
--- of id times that fall in it (the bucket's own span cut by the regimes' bounds).
-local function inbox_bucket(base, m, t)
-  local r = m.r
-  local i = inbox_regime_at(m, t)
-  local s = r[i][2]
-  local unit = INBOX_POW[s]
-  local k = math.floor(t / unit)
-  local lo, hi = k * unit, (k + 1) * unit
-  if r[i][1] > lo then lo = r[i][1] end
-  if r[i + 1] and r[i + 1][1] < hi then hi = r[i + 1][1] end
-  return base .. ':b:' .. s .. ':' .. string.format('%x', k), s, lo, hi
-end
-
--- Which of the count ids whose records recs holds are recorded as processed: a table of booleans
--- 1..count (false for zero records). One HMGET of the info of each slot touched and one HMGET
--- per bucket.
-local function inbox_seen_many(base, recs, count)
-  local seen, order, groups = {}, {}, {}
-  local hidx, hrecs = {}, {}  -- hashed records
-  local lo, hi, g = 0, -1, nil  -- the span the previous id's bucket covers (g false: no records there)
-  for i = 1, count do
-    seen[i] = false
-    local o = (i - 1) * 16
-    local t = inbox_t(recs, o)
-    if not t and string.byte(recs, o + 7) == INBOX_HASHED then
-      hidx[#hidx + 1] = i
-      hrecs[#hrecs + 1] = string.sub(recs, o + 1, o + 16)
-    elseif t then
-      if t < lo or t >= hi then
-        local slot = math.floor(t / INBOX_SLOT)
-        local m = inbox_meta(base, slot)
-        if m then
-          local key, _s
-          key, _s, lo, hi = inbox_bucket(base, m, t)
-          g = groups[key]
-          if not g then
-            g = {key = key, fields = {}, idx = {}, n = 0}
-            groups[key] = g
-            order[#order + 1] = g
-          end
-        else  -- a slot nothing was recorded in
-          g = false
-          lo, hi = slot * INBOX_SLOT, (slot + 1) * INBOX_SLOT
-        end
-      end
-      if g then
-        local n = g.n + 1
-        g.n = n
-        g.fields[n] = string.sub(recs, o + 4, o + 16)
-        g.idx[n] = i
-      end
-    end
-  end
-  for _, grp in ipairs(order) do
-    for from = 1, grp.n, 1000 do
-      local to = math.min(from + 999, grp.n)
-      local got = redis.call('HMGET', grp.key, unpack(grp.fields, from, to))
-      for j = 1, #got do
-        if got[j] then seen[grp.idx[from + j - 1]] = true end
-      end
-    end
-  end
-  if #hidx > 0 then inbox_hseen(base, hidx, hrecs, seen) end
-  return seen
 end
 
 -- Queue every id of a string of count 16-byte records (zero records are ignored); inbox_flush

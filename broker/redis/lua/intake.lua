@@ -22,7 +22,7 @@
 --   {-1}: fenced out (the lease's owner or token is not the caller's): nothing taken
 -- The server copies the reply through Lua (about 2 µs per entry): the caller uses this for small
 -- reads (the latency path) and a plain XREADGROUP + inbox_claim.lua for backlogs.
---#include inbox_store
+--#include inbox_read
 --#include inbox_lease
 if ARGV[7] ~= '' then
   local state = redis.call('HMGET', KEYS[4], 'owner', 'token')
@@ -30,20 +30,31 @@ if ARGV[7] ~= '' then
 end
 local reply = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[1], 'COUNT', ARGV[3],
   'STREAMS', KEYS[1], KEYS[2], '>', '>')
-local function last_ids(out, at)  -- the streams' last generated ids, into out[at], out[at + 1]
+-- The streams' last ids, into out[at], out[at + 1]: where a wait for what comes next starts. A
+-- stream this read took entries from was read to its end: its last entry read is that id (an
+-- entry added and deleted after it is gone: a wait from there misses nothing); any other stream's
+-- is its last generated id (XINFO STREAM: several us of server time, on the latency path).
+local function last_ids(out, at, known)
   for i = 1, 2 do
-    local info = redis.call('XINFO', 'STREAM', KEYS[i])
-    for j = 1, #info, 2 do
-      if info[j] == 'last-generated-id' then out[at + i - 1] = info[j + 1] end
+    local id = known and known[KEYS[i]]
+    if not id then
+      local info = redis.call('XINFO', 'STREAM', KEYS[i])
+      for j = 1, #info, 2 do
+        if info[j] == 'last-generated-id' then id = info[j + 1] end
+      end
     end
+    out[at + i - 1] = id
   end
   return out
 end
 if not reply then return last_ids({0}, 2) end
 local ids, recs, at = {}, {}, {}  -- the ids found, their records, their positions among the entries
 local total = 0
+local last = {}  -- stream name -> the id of its last entry read
 for _, stream in ipairs(reply) do
-  for _, entry in ipairs(stream[2]) do
+  local entries = stream[2]
+  if #entries > 0 then last[stream[1]] = entries[#entries][1] end
+  for _, entry in ipairs(entries) do
     total = total + 1
     local f = entry[2]
     local id = nil
@@ -69,5 +80,5 @@ if #ids > 0 then
   for i = 1, #ids do statuses[at[i]] = got[i] end
 end
 local out = {1, reply, statuses}
-if total < tonumber(ARGV[3]) then last_ids(out, 4) end  -- both streams read to their end: where a wait starts
+if total < tonumber(ARGV[3]) then last_ids(out, 4, last) end  -- both streams read to their end: where a wait starts
 return out
