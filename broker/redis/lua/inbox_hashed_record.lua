@@ -1,9 +1,10 @@
 -- inbox_hashed_record.lua: recording ids kept by their hash (inbox_hashed.lua has the layout);
 -- included by inbox_store.lua, after inbox_hashed.lua (readers only need that one).
-local INBOX_HGENS = 48      -- generations listed at most (about 12 live: ramp-up and early ends)
-local INBOX_HMAXB = 24      -- at most 2^24 buckets per generation (the record's first 3 bytes)
-local INBOX_HFIRST = 60000  -- the first generation's length, ms
 local INBOX_HFILL = 64      -- ids per bucket a generation is sized for
+local INBOX_HFIRST = 60000  -- the first generation's length, ms
+local INBOX_HMAXB = 24      -- at most 2^24 buckets per generation (the record's first 3 bytes)
+local INBOX_HGENS = 48      -- generations listed at most (about 12 live: ramp-up and early ends)
+
 -- The longest generation i of st.gens may last (a quarter of the window; the first a minute, each
 -- next one at most four times as long as the one before).
 local function inbox_hlength(st, i)
