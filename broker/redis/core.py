@@ -88,6 +88,7 @@ class RedisCore:
         self._claim_cursor: dict[tuple[str, str], str] = {}  # (stream, group) -> XAUTOCLAIM cursor
         self._backlog: dict[tuple[str, str], bool] = {}  # (stream, consumer) -> the last read was full (intake)
         self._drained: dict[tuple[str, str], tuple[str, str]] = {}  # (stream, consumer) -> where the next wait starts
+        self._touched: dict[tuple[str, str], float] = {}  # (stream, consumer) -> when a wait last marked it seen
         self._pkeys: dict[tuple[str, int], PartitionKeys] = {}
         self._commits: CommitBatcher | None = None  # effects commits from many tasks (made on first use)
         self._reads: ReadBatcher | None = None  # reads from many tasks (made on first use)

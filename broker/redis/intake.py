@@ -18,6 +18,7 @@ batch; the leased read comes back once a read returns less than :data:`LEASED_BE
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from redis.exceptions import NoScriptError
@@ -28,11 +29,19 @@ from broker.redis.core import text
 from broker.redis.reading import Reading, lease_lost
 from broker.redis.wire import Channel
 
-__all__ = ["LEASED_BELOW", "Intake"]
+__all__ = ["LEASED_BELOW", "TOUCH_EVERY_S", "Intake"]
 
 LEASED_BELOW = 64
 """A read that returned fewer entries than this is followed by a leased read; a fuller one by a
 plain read (the backlog path, see the module's docstring)."""
+
+TOUCH_EVERY_S = 1.0
+"""A wait marks its consumer seen when no wait did for this long (see :meth:`Intake.read_leased`)."""
+
+# Past every entry (a read of the consumer's own pending entries after it takes and returns
+# nothing). Not the largest id: the server reads that one as ">" (new entries: the read would take
+# them and nobody would run them).
+_PAST_ALL = ["18446744073709551615-18446744073709551614"] * 2
 
 
 class Intake(Reading):
@@ -79,25 +88,31 @@ class Intake(Reading):
         if int(reply[0]) == 0 and block_ms > 0:
             last = [text(reply[1]), text(reply[2])]
             streams = [source.stream, source.keys.redeliver]
-            # Keeps the consumer seen (XINFO CONSUMERS, the CLI's live-consumer checks): a read of its
-            # own pending entries after the streams' last ids, which takes and returns nothing.
-            touch = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", 1, "STREAMS", *streams, *last]
             wait = ["XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", *streams, *last]
+            # Keeps the consumer seen (XINFO CONSUMERS, the CLI's live-consumer checks) while it
+            # waits: a read of its own pending entries past the largest id, which takes and returns
+            # nothing. Every leased read marks it seen too, so this goes along only when no wait
+            # did for TOUCH_EVERY_S (at a steady rate: hardly ever; the first wait: always).
+            now = time.monotonic()
+            touch = None
+            if now - self._touched.get(mode_key, -TOUCH_EVERY_S) >= TOUCH_EVERY_S:
+                self._touched[mode_key] = now
+                touch = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", 1, "STREAMS", *streams, *_PAST_ALL]
             if channel is not None:
                 evalsha = ["EVALSHA", sha, len(keys), *keys, *intake_args()]
-                replies = await channel.execute_many(
-                    [touch, wait, evalsha], timeout=block_ms / 1000 + self.command_timeout
-                )
-                for r in replies[:2]:
+                commands = [wait, evalsha] if touch is None else [touch, wait, evalsha]
+                replies = await channel.execute_many(commands, timeout=block_ms / 1000 + self.command_timeout)
+                for r in replies[:-1]:
                     if isinstance(r, Exception):
                         raise r
-                reply = replies[2]
+                reply = replies[-1]
                 if isinstance(reply, NoScriptError):  # it did not run: load it and read again
                     reply = await self._intake(source, keys, intake_args(), channel)
                 elif isinstance(reply, Exception):
                     raise reply
             else:
-                await self._send_once(source, touch, None, 0)
+                if touch is not None:
+                    await self._send_once(source, touch, None, 0)
                 if not await self._send_once(source, wait, None, block_ms):
                     return []
                 reply = await self._intake(source, keys, intake_args(), None)

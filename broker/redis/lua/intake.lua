@@ -32,11 +32,14 @@ local reply = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[1], 'COUNT', ARGV[
   'STREAMS', KEYS[1], KEYS[2], '>', '>')
 -- The streams' last ids, into out[at], out[at + 1]: where a wait for what comes next starts. A
 -- stream this read took entries from was read to its end: its last entry read is that id (an
--- entry added and deleted after it is gone: a wait from there misses nothing); any other stream's
--- is its last generated id (XINFO STREAM: several us of server time, on the latency path).
+-- entry added and deleted after it is gone: a wait from there misses nothing). An empty stream
+-- (a queue's, once its entries are acknowledged: they are deleted; a redeliver stream, mostly)
+-- waits from 0-0: whatever it holds when the wait starts came after this read. Any other
+-- stream's is its last generated id (XINFO STREAM: several us of server time, on the latency path).
 local function last_ids(out, at, known)
   for i = 1, 2 do
     local id = known and known[KEYS[i]]
+    if not id and redis.call('XLEN', KEYS[i]) == 0 then id = '0-0' end
     if not id then
       local info = redis.call('XINFO', 'STREAM', KEYS[i])
       for j = 1, #info, 2 do
