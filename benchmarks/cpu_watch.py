@@ -18,14 +18,15 @@ class CpuWatch:
     time comes from each thread's ``/proc/<pid>/task/<tid>/schedstat`` (nanoseconds; ``utime`` and
     ``stime`` count 10 ms ticks, too coarse for a drain of a fraction of a second); a thread that
     ends keeps the last time it was seen with. With ``server_pid`` (a server on this machine) the
-    server's CPU time is sampled beside it (:meth:`server_between`).
+    server's CPU time is sampled beside it (:meth:`server_between`); with ``pid`` that process is
+    watched instead of the ``bench-worker`` child (a latency trial's consumer, whichever it is).
     """
 
-    def __init__(self, interval: float = 0.005, server_pid: int | None = None) -> None:
+    def __init__(self, interval: float = 0.005, server_pid: int | None = None, pid: int | None = None) -> None:
         self.interval = interval
         self.samples: list[tuple[int, float]] = []  # (Unix ns, CPU seconds)
         self.server_samples: list[tuple[int, float]] = []  # the same for the server, when sampled
-        self.pid: int | None = None
+        self.pid: int | None = pid
         self.server_pid = server_pid
         self._threads: dict[str, int] = {}  # tid -> its CPU ns when last seen
         self._server_threads: dict[str, int] = {}

@@ -55,7 +55,8 @@ import anyio
 import orjson
 import redis
 
-from benchmarks.paced import latency_summary, run_producer
+from benchmarks.cpu_watch import CpuWatch
+from benchmarks.paced import CPU_SAMPLE_S, cpu_per_message, latency_summary, run_producer
 from benchmarks.procs import Child, child
 from benchmarks.streams import FILL_BATCH, Progress, quiet, raw_client, wait_done, wait_settled
 from framework.testing import delete_namespace, unique_namespace
@@ -258,9 +259,17 @@ def _run_producer(url: str, namespace: str, rate: float, count: int, consumer: C
 
 
 def latency(
-    url: str, mode: str, *, rate: float = 500.0, seconds: float = 10.0, warmup: float = 1.0, progress: Progress = quiet
+    url: str,
+    mode: str,
+    *,
+    rate: float = 500.0,
+    seconds: float = 10.0,
+    warmup: float = 1.0,
+    progress: Progress = quiet,
+    server_pid: int | None = None,
 ) -> dict[str, Any]:
-    """FastStream publishes at a fixed ``rate`` from a producer process; latency from publish to handler start."""
+    """FastStream publishes at a fixed ``rate`` from a producer process; latency from publish to
+    handler start, and the worker's CPU per message meanwhile (the server's too, with ``server_pid``)."""
     namespace = unique_namespace("bench")
     stream = stream_name(namespace)
     skip = int(rate * warmup)
@@ -272,10 +281,14 @@ def latency(
         with _worker(url, namespace, mode, count, timed=True) as worker:
             _wait_reading(client, namespace, worker)
             progress(f"{label}: publishing {count:,} at {rate:,.0f}/s ({warmup:.0f}s warm-up not counted)")
-            achieved = _run_producer(url, namespace, rate, count, worker, seconds + warmup)
-            wait_done(client, namespace, worker, stream=stream, total=count, timeout=60, label=label, progress=progress)
+            with CpuWatch(CPU_SAMPLE_S, server_pid, pid=worker.pid) as watch:
+                achieved = _run_producer(url, namespace, rate, count, worker, seconds + warmup)
+                done = wait_done(
+                    client, namespace, worker, stream=stream, total=count, timeout=60, label=label, progress=progress
+                )
         summary_ = latency_summary(client, namespace, skip, count)
-        return {"mode": mode, "rate": rate, "achieved_rate": achieved, **summary_}
+        cpu = cpu_per_message(watch, done, count)
+        return {"mode": mode, "rate": rate, "achieved_rate": achieved, **summary_, **cpu}
     finally:
         client.close()
         delete_namespace(url, namespace)
@@ -286,7 +299,14 @@ PER_MESSAGE_DRAIN = 20_000
 
 
 def trials(
-    url: str, round_: int, *, messages: int, rate: float, seconds: float, progress: Progress = quiet
+    url: str,
+    round_: int,
+    *,
+    messages: int,
+    rate: float,
+    seconds: float,
+    progress: Progress = quiet,
+    server_pid: int | None = None,
 ) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
     """One round's trials as (key, call): the drains, then the latency trials, mode order alternating."""
     modes = MODES if round_ % 2 == 0 else MODES[::-1]
@@ -294,7 +314,8 @@ def trials(
         n = messages if mode == MODES[0] else min(messages, PER_MESSAGE_DRAIN)
         yield f"peer:{mode}", functools.partial(drain, url, n, mode, progress=progress)
     for mode in modes:
-        call = functools.partial(latency, url, mode, rate=rate, seconds=seconds, progress=progress)
+        kw = {"rate": rate, "seconds": seconds, "progress": progress, "server_pid": server_pid}
+        call = functools.partial(latency, url, mode, **kw)
         yield f"peer:latency-{mode}", call
 
 
@@ -327,8 +348,8 @@ def summary(trials_: Mapping[str, list[dict[str, Any]]]) -> dict[str, dict[str, 
                     fig[f"framework_{inbox}_over_this"] = pr
             out[key] = fig
         if lat := trials_.get(f"peer:latency-{mode}"):
-            names = ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate")
-            out[f"peer:latency-{mode}"] = {f: _stats([t[f] for t in lat]) for f in names}
+            names = ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate", "cpu_us_per_msg", "server_cpu_us_per_msg")
+            out[f"peer:latency-{mode}"] = {f: _stats(v) for f in names if (v := [t[f] for t in lat if f in t])}
     return out
 
 

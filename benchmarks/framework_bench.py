@@ -22,7 +22,7 @@ import anyio
 
 from benchmarks.bench_services import COMMANDS, EVENTS, LATENCY, BenchMessage
 from benchmarks.cpu_watch import CpuWatch
-from benchmarks.paced import latency_summary, produce, wait_consumer
+from benchmarks.paced import CPU_SAMPLE_S, cpu_per_message, latency_summary, produce, wait_consumer
 from benchmarks.procs import RssSampler, child
 from benchmarks.streams import FILL_BATCH, Progress, quiet, raw_client, wait_done, wait_settled
 from broker import connect
@@ -245,8 +245,10 @@ def latency(
     env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
     launcher: Sequence[str] = FRAMEWORK,
+    server_pid: int | None = None,
 ) -> dict[str, Any]:
-    """Commands at a fixed ``rate`` from a producer process; latency from publish to handler start.
+    """Commands at a fixed ``rate`` from a producer process; latency from publish to handler start,
+    and the worker's CPU per message meanwhile (the server's too, with ``server_pid``).
 
     ``inbox=False`` runs the same handler with the inbox off; ``env``, ``extra_args`` and
     ``launcher`` go to the worker (see :func:`start_worker`).
@@ -268,12 +270,13 @@ def latency(
                 f"latency (inbox {'on' if inbox else 'off'}): producing {count:,} commands at {rate:,.0f}/s "
                 f"({warmup:.0f}s warm-up not counted)"
             )
-            achieved = produce("framework", url, namespace, rate, count, worker, seconds + warmup)
-            wait_done(
-                client, namespace, worker, stream=stream, total=count, timeout=60, label="latency", progress=progress
-            )
+            with CpuWatch(CPU_SAMPLE_S, server_pid, pid=worker.pid) as watch:
+                achieved = produce("framework", url, namespace, rate, count, worker, seconds + warmup)
+                wait = {"stream": stream, "total": count, "timeout": 60, "label": "latency", "progress": progress}
+                done = wait_done(client, namespace, worker, **wait)
         summary = latency_summary(client, namespace, skip, count)
-        return {"rate": rate, "inbox": inbox, "achieved_rate": achieved, **summary}
+        cpu = cpu_per_message(watch, done, count)
+        return {"rate": rate, "inbox": inbox, "achieved_rate": achieved, **summary, **cpu}
     finally:
         client.close()
         delete_namespace(url, namespace)

@@ -5,17 +5,21 @@ and the summary of the publish-to-handler samples the consumer recorded.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
 import redis
 
 from benchmarks.bench_services import latency_key
+from benchmarks.cpu_watch import CpuWatch
 from benchmarks.procs import Child, child
 from benchmarks.streams import group_rows, percentile
 
-__all__ = ["latency_summary", "produce", "run_producer", "wait_consumer"]
+__all__ = ["CPU_SAMPLE_S", "cpu_per_message", "latency_summary", "produce", "run_producer", "wait_consumer"]
+
+CPU_SAMPLE_S = 0.02
+"""How often a latency trial samples its consumer's (and the server's) CPU time."""
 
 
 def wait_consumer(client: redis.Redis, stream: str, worker: Child, timeout: float = 60.0) -> None:
@@ -65,3 +69,16 @@ def run_producer(name: str, args: Sequence[str], consumer: Child, seconds: float
             raise RuntimeError(f"the producer failed; its log ends:\n{producer.log_tail()}")
         last = producer.log_tail(500).strip().splitlines()[-1]
     return float(orjson.loads(last)["achieved_rate"])
+
+
+def cpu_per_message(watch: CpuWatch, done: Mapping[str, Any], count: int) -> dict[str, float]:
+    """The consumer's CPU µs per message under the paced load (all its threads, from its first
+    handler start to its last, as its ``done`` summary says), and the server's over the same span
+    when it was sampled (that includes serving the producer's publishes)."""
+    first, last = int(done["first_ns"]), int(done["last_ns"])
+    n = max(1, count - 1)
+    out = {"cpu_us_per_msg": watch.between(first, last) * 1e6 / n}
+    server = watch.server_between(first, last)
+    if server is not None:
+        out["server_cpu_us_per_msg"] = server * 1e6 / n
+    return out

@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from benchmarks.paced import latency_summary, produce, wait_consumer
+from benchmarks.cpu_watch import CpuWatch
+from benchmarks.paced import CPU_SAMPLE_S, cpu_per_message, latency_summary, produce, wait_consumer
 from benchmarks.procs import child
 from benchmarks.roles import RAW_GROUP, raw_stream, raw_xadd
 from benchmarks.streams import FILL_BATCH, Progress, quiet, raw_client, wait_done
@@ -62,9 +63,16 @@ def raw_ceiling(url: str, n: int, *, delete: bool = False, progress: Progress = 
 
 
 def raw_latency(
-    url: str, *, rate: float = 500.0, seconds: float = 10.0, warmup: float = 1.0, progress: Progress = quiet
+    url: str,
+    *,
+    rate: float = 500.0,
+    seconds: float = 10.0,
+    warmup: float = 1.0,
+    progress: Progress = quiet,
+    server_pid: int | None = None,
 ) -> dict[str, Any]:
-    """Latency with plain redis-py: XADD from a producer process, XREADGROUP BLOCK in a consumer process."""
+    """Latency with plain redis-py: XADD from a producer process, XREADGROUP BLOCK in a consumer
+    process; its CPU per message meanwhile (the server's too, with ``server_pid``)."""
     namespace = unique_namespace("bench")
     skip = int(rate * warmup)
     count = skip + int(rate * seconds)
@@ -76,18 +84,20 @@ def raw_latency(
         with child("raw-consumer", args, finishes=True) as consumer:
             wait_consumer(client, stream, consumer)
             progress(f"raw latency: producing {count:,} entries at {rate:,.0f}/s")
-            achieved = produce("raw", url, namespace, rate, count, consumer, seconds + warmup)
-            wait_done(
-                client,
-                namespace,
-                consumer,
-                stream=stream,
-                total=count,
-                timeout=60,
-                label="raw latency",
-                progress=progress,
-            )
-        return {"rate": rate, "achieved_rate": achieved, **latency_summary(client, namespace, skip, count)}
+            with CpuWatch(CPU_SAMPLE_S, server_pid, pid=consumer.pid) as watch:
+                achieved = produce("raw", url, namespace, rate, count, consumer, seconds + warmup)
+                done = wait_done(
+                    client,
+                    namespace,
+                    consumer,
+                    stream=stream,
+                    total=count,
+                    timeout=60,
+                    label="raw latency",
+                    progress=progress,
+                )
+        summary = latency_summary(client, namespace, skip, count)
+        return {"rate": rate, "achieved_rate": achieved, **summary, **cpu_per_message(watch, done, count)}
     finally:
         client.close()
         delete_namespace(url, namespace)

@@ -11,14 +11,13 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import batch_bench, faststream_bench, tracing_bench
+from benchmarks import batch_bench, faststream_bench, latency_rows, tracing_bench
 from benchmarks.rows import (
     SQL_WORK_MS,
     SQL_WORKERS,
     Row,
     SqlRows,
     _cluster_row,
-    _ms,
     _ownership_row,
     _rabbitmq_row,
     _rate,
@@ -34,9 +33,9 @@ from benchmarks.rows import (
 
 __all__ = ["Report", "Row", "stats"]
 
+_LATENCY = ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate", "cpu_us_per_msg", "server_cpu_us_per_msg")
+
 THROUGHPUT_TARGET = 0.25  # of the raw ceiling, one worker process
-LATENCY_P99_TARGET_MS = 1.0
-LATENCY_P50_INBOX_MS = 0.15  # p50 with the inbox on at most this much above inbox off (issue #33)
 INBOX_COST_TARGET = 0.30
 MEMORY_FLAT_TARGET = 1.10  # peak RSS, big backlog over small backlog
 INBOX_BYTES_TARGET = 32  # server bytes per remembered inbox id (issue #15)
@@ -80,9 +79,9 @@ class Report(SqlRows):
             "commands:on": ("msgs_per_s", "publish_msgs_per_s", "peak_rss_mib", *_PROFILE),
             "commands:off": ("msgs_per_s", "publish_msgs_per_s", "peak_rss_mib", *_PROFILE),
             "events:3": ("events_per_s", "deliveries_per_s", "publish_msgs_per_s"),
-            "latency:raw": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
-            "latency:framework": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
-            "latency:framework-noinbox": ("p50_ms", "p90_ms", "p99_ms", "max_ms", "achieved_rate"),
+            "latency:raw": _LATENCY,
+            "latency:framework": _LATENCY,
+            "latency:framework-noinbox": _LATENCY,
             "memory:small": ("peak_rss_mib", "msgs_per_s", "server_inbox_mib", "inbox_bytes_per_id"),
             "recovery": (
                 "normal_msgs_per_s",
@@ -122,6 +121,9 @@ class Report(SqlRows):
         ):
             if key in out and (pr := self.paired(key, field)) is not None:
                 out[key]["ratio_to_raw"] = pr
+        for key in ("latency:framework", "latency:framework-noinbox"):
+            if key in out and (pr := self.paired(key, "cpu_us_per_msg", "latency:raw", "cpu_us_per_msg")) is not None:
+                out[key]["cpu_ratio_to_raw"] = pr
         for p, w, kind in ((_sql_key(t), w, k) for t in SQL_WORK_MS for w in SQL_WORKERS for k in sql_kinds(t)):
             key, plain = f"{p}:{kind}:{w}", f"{p}:plain:{w}"
             if key in out and (pr := self.paired(key, "msgs_per_s", plain, "msgs_per_s")) is not None:
@@ -228,41 +230,8 @@ class Report(SqlRows):
                     None if r is None else r >= THROUGHPUT_TARGET,
                 )
             )
-        if not not_run("latency", "latency") and (fw := sm.get("latency:framework")):
-            raw = sm.get("latency:raw")
-            rate = f"{self.sizes.latency_rate:,.0f}/s"
-            rows.append(
-                Row(
-                    f"latency publish → handler start @ {rate}, p50 / p99 ms",
-                    f"p50 {_ms(fw['p50_ms'])}\np99 {_ms(fw['p99_ms'])}\n[dim]p90 {fw['p90_ms']['median']:.2f}, "
-                    f"max {fw['max_ms']['median']:.2f}[/dim]",
-                    f"p50 {raw['p50_ms']['median']:.2f}\np99 {raw['p99_ms']['median']:.2f}" if raw else "—",
-                    f"p99 {fw['p99_ms']['median'] / raw['p99_ms']['median']:.1f}x" if raw else "—",
-                    f"p99 < {LATENCY_P99_TARGET_MS:g} ms",
-                    fw["p99_ms"]["median"] < LATENCY_P99_TARGET_MS,
-                )
-            )
-            if fo := sm.get("latency:framework-noinbox"):
-                rows.append(
-                    Row(
-                        f"latency publish → handler start @ {rate}, inbox off, p50 / p99 ms",
-                        f"p50 {_ms(fo['p50_ms'])}\np99 {_ms(fo['p99_ms'])}\n[dim]p90 {fo['p90_ms']['median']:.2f}, "
-                        f"max {fo['max_ms']['median']:.2f}[/dim]",
-                        f"p50 {raw['p50_ms']['median']:.2f}\np99 {raw['p99_ms']['median']:.2f}" if raw else "—",
-                        f"p99 {fo['p99_ms']['median'] / raw['p99_ms']['median']:.1f}x" if raw else "—",
-                        "reported",
-                    )
-                )
-            if added := sm.get("latency_inbox_p50_added_ms", {}).get("paired"):
-                rows.append(
-                    Row(
-                        "latency: p50 inbox on - inbox off, paired by round",
-                        f"{added['median']:+.2f} ms"
-                        + (f" [dim]({added['min']:+.2f}-{added['max']:+.2f})[/dim]" if len(added["runs"]) > 1 else ""),
-                        target=f"≤ {LATENCY_P50_INBOX_MS:g} ms (#33)",
-                        ok=added["median"] <= LATENCY_P50_INBOX_MS,
-                    )
-                )
+        if not not_run("latency", "latency"):
+            rows += latency_rows.rows(sm, self.sizes.latency_rate)
         if "batch" in self.selected:
             rows += [Row(**row) for row in batch_bench.rows(sm, self.errors)]
         if "peer" in self.selected:

@@ -172,6 +172,7 @@ class Runner(Report):
                 self._trial("events:3", lambda: runtime_bench.events(url, s.messages, progress=p), r)
             if "latency" in self.selected:
                 kw = {"rate": s.latency_rate, "seconds": s.latency_seconds, "progress": p}
+                kw["server_pid"] = self.server_pid
                 self._trial("latency:raw", lambda kw=kw: runtime_bench.raw_latency(url, **kw), r)
                 for inbox in (True, False) if r % 2 == 0 else (False, True):
                     self._trial(
@@ -181,7 +182,13 @@ class Runner(Report):
                     )
             if "peer" in self.selected:  # FastStream, batch and per-message subscribers (issue #33)
                 peer = faststream_bench.trials(
-                    url, r, messages=s.messages, rate=s.latency_rate, seconds=s.latency_seconds, progress=p
+                    url,
+                    r,
+                    messages=s.messages,
+                    rate=s.latency_rate,
+                    seconds=s.latency_seconds,
+                    progress=p,
+                    server_pid=self.server_pid,
                 )
                 for key, call in peer:
                     self._trial(key, call, r)

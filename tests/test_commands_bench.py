@@ -27,9 +27,44 @@ def test_a_profiled_drain_reports_worker_and_server_cpu_per_message(redis_url: s
 
 
 def test_the_raw_latency_consumer_starts_and_measures(redis_url: str) -> None:
-    lat = runtime_bench.raw_latency(redis_url, rate=500, seconds=0.4, warmup=0.2)
+    pid = machine.server_pid(redis_url)
+    lat = runtime_bench.raw_latency(redis_url, rate=500, seconds=0.4, warmup=0.2, server_pid=pid)
     assert lat["samples"] == 200
     assert 0 < lat["p50_ms"] <= lat["p99_ms"]
+    assert 0 < lat["cpu_us_per_msg"] < 100_000  # the consumer's CPU over the paced load, per message
+    if pid is not None:
+        assert 0 < lat["server_cpu_us_per_msg"] < 100_000
+
+
+def test_the_framework_latency_trial_reports_the_workers_cpu_per_message(redis_url: str) -> None:
+    pid = machine.server_pid(redis_url)
+    lat = runtime_bench.latency(redis_url, rate=500, seconds=0.4, warmup=0.2, server_pid=pid)
+    assert lat["samples"] == 200 and lat["inbox"] is True
+    assert 0 < lat["cpu_us_per_msg"] < 100_000
+    assert ("server_cpu_us_per_msg" in lat) == (pid is not None)
+
+
+def test_the_table_shows_cpu_per_message_at_the_latency_rate_next_to_the_raw_consumers() -> None:
+    figures = {
+        "latency:raw": (0.2, 0.4, 100.0, 80.0),
+        "latency:framework": (0.5, 1.0, 600.0, 400.0),
+        "latency:framework-noinbox": (0.4, 0.9, 450.0, 250.0),
+    }
+    trials = {
+        key: [
+            {"round": r, "p50_ms": p50, "p90_ms": p99, "p99_ms": p99, "max_ms": 2.0, "achieved_rate": 500.0}
+            | {"cpu_us_per_msg": cpu * (r + 1), "server_cpu_us_per_msg": server}
+            for r in (0, 1)
+        ]
+        for key, (p50, p99, cpu, server) in figures.items()
+    }
+    report = Runner("redis://unused", QUICK, 2, ["raw", "latency"], None)
+    report.trials = trials
+    rows = {r.benchmark: r for r in report.rows()}
+    cpu = rows["CPU per message @ 500/s (the latency trials), consumer + server µs"]
+    assert cpu.result.splitlines() == ["inbox on 900 + 400", "inbox off 675 + 250"]  # medians of the two rounds
+    assert cpu.ceiling == "raw consumer\n150 + 80"
+    assert cpu.ratio.startswith("6.0x / 4.5x")  # paired by round: 600/100 and 1200/200; 450/100 and 900/200
 
 
 def test_the_table_shows_where_the_time_goes_and_what_the_inbox_adds() -> None:

@@ -34,6 +34,7 @@ def test_faststream_drain_and_latency_run_end_to_end(redis_url: str, mode: str) 
     lat = faststream_bench.latency(redis_url, mode, rate=500, seconds=0.4, warmup=0.2)
     assert lat["samples"] == 200  # the 100 warm-up messages are dropped
     assert 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["max_ms"]
+    assert 0 < lat["cpu_us_per_msg"] < 100_000  # its worker's CPU over the paced load, per message
 
 
 def test_framework_latency_runs_with_the_inbox_off(redis_url: str) -> None:
