@@ -65,9 +65,18 @@ class Report(SqlRows):
         base: str = "raw:xack",
         base_field: str = "drain_msgs_per_s",
     ) -> dict[str, Any] | None:
-        """Per-round ratios of ``key``'s ``field`` to ``base``'s, measured back to back in one round."""
-        bases = {t["round"]: t[base_field] for t in self.trials.get(base, []) if t.get("round") is not None}
-        ratios = [t[field] / bases[t["round"]] for t in self.trials.get(key, []) if t.get("round") in bases]
+        """Per-round ratios of ``key``'s ``field`` to ``base``'s, measured back to back in one round
+        (a round whose trial lacks the figure is left out)."""
+        bases = {
+            t["round"]: t[base_field]
+            for t in self.trials.get(base, [])
+            if t.get("round") is not None and t.get(base_field)
+        }
+        ratios = [
+            t[field] / bases[t["round"]]
+            for t in self.trials.get(key, [])
+            if t.get("round") in bases and t.get(field) is not None
+        ]
         return stats(ratios) if ratios else None
 
     def summary(self) -> dict[str, dict[str, Any]]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import machine, runtime_bench
+from benchmarks.cpu_watch import CpuWatch
+from benchmarks.paced import cpu_per_message
 from benchmarks.runner import QUICK, Runner
 
 pytestmark = pytest.mark.usefixtures("no_bench_child_left")
@@ -86,3 +88,18 @@ def test_the_table_shows_where_the_time_goes_and_what_the_inbox_adds() -> None:
     on = rows["where the time goes, inbox on: CPU per message, worker + server"]
     assert on.startswith("9.0 + 6.5 µs") and "worker busy 75%" in on
     assert rows["what the inbox adds per message (medians, on - off)"] == "1.0 µs worker + 3.0 µs server"
+
+
+def test_a_trial_without_cpu_figures_keeps_its_latency_and_is_left_out_of_the_ratio() -> None:
+    unsampled = CpuWatch(pid=None)  # never started: nothing sampled around the span
+    assert cpu_per_message(unsampled, {"first_ns": 1, "last_ns": 2}, 100) == {}
+    base = {"p50_ms": 0.2, "p90_ms": 0.3, "p99_ms": 0.4, "max_ms": 1.0, "achieved_rate": 500.0}
+    report = Runner("redis://unused", QUICK, 2, ["raw", "latency"], None)
+    report.trials = {
+        "latency:raw": [{"round": r, **base, "cpu_us_per_msg": 100.0} for r in (0, 1)],
+        "latency:framework": [{"round": 0, **base, "cpu_us_per_msg": 300.0}, {"round": 1, **base}],
+    }
+    rows = {r.benchmark: r for r in report.rows()}
+    assert rows["latency publish → handler start @ 500/s, p50 / p99 ms"].result.startswith("p50 0.20")
+    cpu = rows["CPU per message @ 500/s (the latency trials), consumer + server µs"]
+    assert cpu.result == "inbox on 300" and cpu.ratio.startswith("3.0x")  # the round with a figure alone

@@ -90,8 +90,8 @@ class Intake(Reading):
             streams = [source.stream, source.keys.redeliver]
             wait = ["XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", *streams, *last]
             # Keeps the consumer seen (XINFO CONSUMERS, the CLI's live-consumer checks) while it
-            # waits: a read of its own pending entries past the largest id, which takes and returns
-            # nothing. Every leased read marks it seen too, so this goes along only when no wait
+            # waits: a read of its own pending entries past every id (_PAST_ALL), which takes and
+            # returns nothing. Every leased read marks it seen too, so this goes along only when no wait
             # did for TOUCH_EVERY_S (at a steady rate: hardly ever; the first wait: always).
             now = time.monotonic()
             touch = None
