@@ -560,7 +560,9 @@ async def test_blocks_that_take_most_of_the_group_wait_commit_at_once(pg_url: st
     starts after one finished could not finish within the wait, so lingering would only delay the
     first member's commit by the whole wait. Each commits alone, at once."""
     wait = 0.03
-    committer, waits = await _trickled(pg_url, wait, spacing=0.02, count=30, block=0.015)
+    # (spacing + block time 25 + about 16 ms against the 30 ms wait: a margin a loaded machine's
+    # late sleeps do not eat; at 20 ms apart one block in 30 lingered on a slow 2-core VM)
+    committer, waits = await _trickled(pg_url, wait, spacing=0.025, count=30, block=0.015)
     rows, _ = await _rows(pg_url)
     assert len(rows) == 30
     # (lingering: about one commit per two blocks, the first of each waiting 30 ms or more)
