@@ -21,9 +21,16 @@
 -- that overflows past INBOX_MAX (or stays nearly empty) starts a new regime with a smaller (or
 -- larger) S, effective for ids above every id recorded so far (field h), so an id already
 -- recorded is always looked up where it was written (a bucket's key names its S).
--- Every write sets the expiry of the keys it touched to the window from now: whole buckets expire
--- a window after their last write, with no per-id trimming.
--- Only commands of the documented worker ACL are used (HGET, HMGET, HSET, HLEN, SADD, PEXPIRE, TIME).
+-- Every write leaves the keys it touched at least the window to live, so whole buckets expire a
+-- window (plus a margin) after their last write, with no per-id trimming. The margin M is a
+-- quarter of the window, at most INBOX_MARGIN: a bucket with less than the window left (PTTL, a
+-- read) gets window + M, the slot's hash and set with less than window + M left get window + 2M
+-- (they outlive every bucket of the slot: its regimes say where the buckets' ids are). At a
+-- steady rate a key's expiry is written once per M, not on every call (each PEXPIRE is a write
+-- the AOF and replicas take). A bucket expires between a window and a window + M after its last
+-- write.
+-- Only commands of the documented worker ACL are used (HGET, HMGET, HSET, HLEN, SADD, PEXPIRE,
+-- PTTL, TIME).
 --
 -- Any other id is kept by its hash (inbox_hashed.lua, included here): its record's 7th byte is 1.
 --#include inbox_read
@@ -34,6 +41,7 @@ local INBOX_SPARSE = 8
 local INBOX_DEFAULT_SHIFT = 8   -- 256 ms buckets until the rate is known
 local INBOX_REGIMES = 16        -- at most this many span changes in one slot
 local INBOX_DEFAULT_WINDOW = 7 * 24 * 3600 * 1000
+local INBOX_MARGIN = 60000     -- ms a key's expiry may run past the window (at most)
 local inbox_pt, inbox_pf = {}, {}  -- ids to record (inbox_record_all): their times, their 13-byte fields
 local inbox_hp = {}  -- hashed records to record (inbox_record_all)
 
@@ -101,6 +109,7 @@ local function inbox_flush(base)
   if #pt == 0 then return end
   inbox_pt, inbox_pf = {}, {}
   local window = tonumber(redis.call('HGET', base .. ':info', 'window')) or INBOX_DEFAULT_WINDOW
+  local margin = math.min(INBOX_MARGIN, math.floor(window / 4))
   local slots, sorder = {}, {}
   local slo, shi, g = 0, -1, nil  -- the span of the previous id's slot, and its group
   for i = 1, #pt do
@@ -177,11 +186,14 @@ local function inbox_flush(base)
       for from = 1, b.c, 2000 do
         added = added + redis.call('HSET', key, unpack(b.args, from, math.min(from + 1999, b.c)))
       end
-      redis.call('PEXPIRE', key, window)
+      if redis.call('PTTL', key) < window then redis.call('PEXPIRE', key, window + margin) end
       if added > 0 then
         added_all = added_all + added
         local len = redis.call('HLEN', key)
-        if len == added then redis.call('SADD', m.key .. ':k', string.sub(key, #base + 2)) end  -- new
+        if len == added then  -- new
+          redis.call('SADD', m.key .. ':k', string.sub(key, #base + 2))
+          m.grew = true
+        end
         if len > INBOX_MAX and b.s > 0 then
           inbox_regime(m, inbox_shift_for(math.max(len / 2 ^ b.s, inbox_slot_rate(m, added_all, g.lo, g.hi))), b.s)
         elseif len == added and len < INBOX_SPARSE and b.s < 20 then
@@ -203,7 +215,7 @@ local function inbox_flush(base)
         end
       end
     end
-    if added_all > 0 or m.dirty then
+    if m.dirty then
       m.n = m.n + added_all
       local parts = {}
       for i, r in ipairs(m.r) do parts[i] = string.format('%d:%d', r[1], r[2]) end
@@ -211,8 +223,20 @@ local function inbox_flush(base)
       redis.call('HSET', m.key, 'r', table.concat(parts, ','), 'n', m.n, 'h', string.format('%d', m.h),
         'f', string.format('%d', m.f))
       m.dirty = false
+    elseif added_all > 0 then
+      m.n = m.n + added_all
+      if not m.f or g.lo < m.f then
+        m.f = g.lo
+        redis.call('HSET', m.key, 'n', m.n, 'h', string.format('%d', m.h), 'f', string.format('%d', m.f))
+      else
+        redis.call('HSET', m.key, 'n', m.n, 'h', string.format('%d', m.h))
+      end
     end
-    redis.call('PEXPIRE', m.key, window)
-    redis.call('PEXPIRE', m.key .. ':k', window)
+    -- (a slot that grew a bucket this call refreshes too: its set of buckets may be new)
+    if m.grew or redis.call('PTTL', m.key) < window + margin then
+      redis.call('PEXPIRE', m.key, window + 2 * margin)
+      redis.call('PEXPIRE', m.key .. ':k', window + 2 * margin)
+      m.grew = false
+    end
   end
 end
