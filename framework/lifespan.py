@@ -189,7 +189,7 @@ class Lifespan:
         A hook that raises is logged and the others still run; one past the timeout is abandoned.
         """
         closers, self._closers = self._closers, []
-        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as scope:
+        with anyio.move_on_after(timeout, shield=True) as scope:
             while closers:
                 label, close = closers.pop()
                 try:

@@ -193,7 +193,7 @@ class Requester:
             with anyio.CancelScope(shield=True):
                 await asyncio.gather(reader, return_exceptions=True)
         if self._kept_at > -math.inf:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            with anyio.move_on_after(5, shield=True):
                 try:
                     await self.store.close_replies(self.name)
                 except Exception as exc:  # the destination then expires by itself

@@ -300,7 +300,7 @@ class Runtime:
         # with the broker unreachable they would wait for their command timeouts, past the bound.
         budget = min(10.0, max(1.0, started + self.settings.shutdown_timeout - time.monotonic()))
         unreachable: BaseException | None = None
-        with anyio.CancelScope(shield=True), anyio.move_on_after(budget) as settle:
+        with anyio.move_on_after(budget, shield=True) as settle:
             try:
                 for consumer in self.consumers:
                     await consumer.flush_acks()

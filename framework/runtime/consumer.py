@@ -151,7 +151,7 @@ class Consumer:
             await anyio.sleep(0.01)
             ready = ledger.settled_copies(give_up)
             if ready:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                with anyio.move_on_after(30, shield=True):
                     await self.admission.admit(ledger, ready)
 
     async def _fetch_guarded(self, ledger: Ledger, name: str) -> None:

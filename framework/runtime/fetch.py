@@ -79,7 +79,7 @@ class Fetcher:
             fresh = [d for d in deliveries if d.entry_id not in ledger.held]
             if fresh:
                 total += len(fresh)
-                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                with anyio.move_on_after(30, shield=True):
                     await self.admission.admit(ledger, fresh)
             if ownership.taken_over(cursors):
                 break
@@ -148,7 +148,7 @@ class Fetcher:
                     return
                 healthy()
                 if deliveries:  # what was read is dispatched even if fetching stops meanwhile
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                    with anyio.move_on_after(30, shield=True):
                         await admit(ledger, deliveries, channel)
                     if len(deliveries) < _START_FIRST_BELOW:
                         await anyio.lowlevel.checkpoint()  # the lanes woken by admit run first
