@@ -16,6 +16,7 @@ import pytest
 
 from broker import connect
 from broker.redis import RedisBroker
+from tests.netproxy import NetProxy
 from tests.workers import Workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,3 +119,14 @@ def pg_url(pg_server: str) -> Iterator[str]:
 
     with temporary_database(pg_server, prefix="framework_test") as url:
         yield url
+
+
+@pytest.fixture
+def proxy(redis_url: str) -> Iterator[NetProxy]:
+    """A TCP proxy in front of the Redis server (``proxy.url(redis_url)``), to stall or reset
+    connections; skipped where the URL is not TCP."""
+    if not redis_url.startswith("redis://"):
+        pytest.skip("the proxy forwards TCP only")
+    p = NetProxy.for_url(redis_url)
+    yield p
+    p.close()

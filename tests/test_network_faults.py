@@ -79,15 +79,6 @@ class Worker:
 
 
 @pytest.fixture
-def proxy(redis_url: str) -> Iterator[NetProxy]:
-    if not redis_url.startswith("redis://"):
-        pytest.skip("the proxy forwards TCP only")
-    p = NetProxy.for_url(redis_url)
-    yield p
-    p.close()
-
-
-@pytest.fixture
 def start(worker_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     env = {k: v for k, v in worker_env.items() if k != "FRAMEWORK_EVENT_LOOP"}  # the CLI's default: uvloop
     started: list[Worker] = []

@@ -98,7 +98,7 @@ class Publishing(Scheduling):
             batch[2].extend(fields)
         if scheduled:  # the index first: a crash before the store leaves a stale hint, not a lost message
             await self._index_scheduled(scheduled)
-        replies = await self._run_pipeline(calls)
+        replies = await self._run_quick(calls)
         out: list[str | None] = []
         for call, position in slots:
             reply = replies[call] if position < 0 else replies[call][position]
