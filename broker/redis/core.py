@@ -197,7 +197,7 @@ class RedisCore:
             return await self._run_pipeline(calls)
         channel = self._quick
         if channel is None:
-            channel = self._quick = Channel(self.redis.connection_pool, command_timeout=self.command_timeout)
+            channel = self._quick = self._channels()()
         self._quick_busy = True  # (set with no await since the check: no other task saw it free)
         try:
             try:

@@ -215,8 +215,8 @@ local function inbox_flush(base)
         end
       end
     end
+    m.n = m.n + added_all
     if m.dirty then
-      m.n = m.n + added_all
       local parts = {}
       for i, r in ipairs(m.r) do parts[i] = string.format('%d:%d', r[1], r[2]) end
       if not m.f or g.lo < m.f then m.f = g.lo end
@@ -224,7 +224,6 @@ local function inbox_flush(base)
         'f', string.format('%d', m.f))
       m.dirty = false
     elseif added_all > 0 then
-      m.n = m.n + added_all
       if not m.f or g.lo < m.f then
         m.f = g.lo
         redis.call('HSET', m.key, 'n', m.n, 'h', string.format('%d', m.h), 'f', string.format('%d', m.f))
