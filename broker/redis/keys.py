@@ -110,6 +110,13 @@ def hashed_record(message_id: str) -> bytes:
 
 def inbox_records(message_ids: Sequence[str]) -> bytes:
     """The ids' 16-byte inbox records in one string, as the inbox scripts take them (:func:`inbox_record`)."""
+    return inbox_records_spanned(message_ids)[0]
+
+
+def inbox_records_spanned(message_ids: Sequence[str]) -> tuple[bytes, tuple[int, int] | None]:
+    """:func:`inbox_records` and, when every id is a UUIDv7/v8 in lowercase (the framework's own),
+    the lowest and highest id time (Unix ms) among them, else None: the inbox check skips reading
+    the records one by one when nothing that old was recorded (``inbox_read.lua``)."""
     n = len(message_ids)
     joined = "".join(message_ids)
     # A fetched batch of the framework's own ids converts in a few C calls, not a call per id: every
@@ -130,8 +137,11 @@ def inbox_records(message_ids: Sequence[str]) -> bytes:
         except ValueError:  # not hex: per id below
             raw = b""
         if len(raw) == 16 * n:  # (fromhex skips whitespace: a shorter result means some id had some)
-            return raw
-    return b"".join([inbox_record(i) for i in message_ids])
+            if joined != joined.lower():  # (text order is time order only in one case)
+                return raw, None
+            lo, hi = min(message_ids), max(message_ids)
+            return raw, (int(lo[:8] + lo[9:13], 16), int(hi[:8] + hi[9:13], 16))
+    return b"".join([inbox_record(i) for i in message_ids]), None
 
 
 def inbox_record(message_id: str) -> bytes:

@@ -17,7 +17,7 @@ from broker.envelope import Envelope, now_ms
 from broker.errors import DecodeError, LeaseLost
 from broker.protocol import Delivery, Extension, GroupPartition
 from broker.redis.core import RedisCore, text
-from broker.redis.keys import inbox_records
+from broker.redis.keys import inbox_records_spanned
 from broker.redis.wire import Channel
 
 __all__ = ["SCRIPT_CHUNK", "Reading", "lease_lost"]
@@ -383,7 +383,8 @@ class Reading(RedisCore):
         again = [d for d in deliveries if d.delivery_count != 1]
         if not again:  # the common case: one list, statuses in order
             ids = [d.message_id for d in deliveries]
-            args = [now_ms(), lease_ms, len(ids), window_ms, len(ids), *ids, inbox_records(ids)]
+            records, span = inbox_records_spanned(ids)
+            args = [now_ms(), lease_ms, len(ids), window_ms, len(ids), *ids, records, *(span or ())]
             statuses: list[int]  # the script's reply
             if channel is not None:
                 statuses = await script.on(channel, keys, args)
@@ -392,7 +393,8 @@ class Reading(RedisCore):
             return statuses
         first = [d for d in deliveries if d.delivery_count == 1]
         ids = [*(d.message_id for d in first), *(d.message_id for d in again)]
-        args = [now_ms(), lease_ms, len(first), window_ms, len(ids), *ids, inbox_records(ids)]
+        records, span = inbox_records_spanned(ids)
+        args = [now_ms(), lease_ms, len(first), window_ms, len(ids), *ids, records, *(span or ())]
         reply = await (script.on(channel, keys, args) if channel is not None else script(self.redis, keys, args))
         status = dict(zip((id(d) for d in [*first, *again]), (int(x) for x in reply), strict=True))
         return [status[id(d)] for d in deliveries]

@@ -8,11 +8,13 @@
 --         deliveries (they respect a live lease held elsewhere), the rest redeliveries (they take
 --         over a lease whose holder timed out, or that is our own)
 -- recs    the ids' 16-byte records in one string (broker.redis.keys.inbox_records)
+-- lo, hi  optional: the lowest and highest id time of the records when every one is a UUIDv7/v8's
+--         (inbox_seen_many skips its per-id reading when no id that old was recorded)
 -- Returns one status per id, in order: 0 = leased to the caller (run it), 1 = already processed
 -- (a duplicate: ack it without running), 2 = being processed elsewhere under a live lease.
 -- One ZMSCORE and one variadic ZADD per 1000 ids (not one call per id); the buckets are checked
 -- with one HMGET per bucket the ids fall in (a handful per batch).
-local function inbox_lease(base, now, lease_ms, window, ids, off, n, c, recs)
+local function inbox_lease(base, now, lease_ms, window, ids, off, n, c, recs, lo, hi)
   if window ~= '0' and redis.call('HGET', base .. ':info', 'window') ~= window then
     redis.call('HSET', base .. ':info', 'window', window)
   end
@@ -20,12 +22,17 @@ local function inbox_lease(base, now, lease_ms, window, ids, off, n, c, recs)
   -- unpack() fails beyond about 8000 values (Lua's C stack) and a fetch may hold more (2 x
   -- prefetch): every variadic call goes in chunks of 1000 ids.
   local CHUNK = 1000
-  local scores = {}
-  for first = off + 1, off + c, CHUNK do
-    local part = redis.call('ZMSCORE', base, unpack(ids, first, math.min(first + CHUNK - 1, off + c)))
-    for j = 1, #part do scores[first - off - 1 + j] = part[j] end
+  local scores
+  if c <= CHUNK then
+    scores = redis.call('ZMSCORE', base, unpack(ids, off + 1, off + c))
+  else
+    scores = {}
+    for first = off + 1, off + c, CHUNK do
+      local part = redis.call('ZMSCORE', base, unpack(ids, first, math.min(first + CHUNK - 1, off + c)))
+      for j = 1, #part do scores[first - off - 1 + j] = part[j] end
+    end
   end
-  local seen = inbox_seen_many(base, recs, c)
+  local seen = inbox_seen_many(base, recs, c, lo, hi)
   local out, zadd, taken = {}, {}, {}
   local z = 0
   for i = 1, c do

@@ -67,11 +67,18 @@ end
 
 -- Which of the count ids whose records recs holds are recorded as processed: a table of booleans
 -- 1..count (false for zero records). One HMGET of the info of each slot touched and one HMGET
--- per bucket.
-local function inbox_seen_many(base, recs, count)
+-- per bucket. lo, hi (optional): the lowest and highest id time of the records, given only when
+-- every record is a UUIDv7/v8's; when both fall in one slot whose ids recorded are all older
+-- than lo (its field h), none is recorded and the records are not read one by one.
+local function inbox_seen_many(base, recs, count, lo_t, hi_t)
+  if lo_t and math.floor(lo_t / INBOX_SLOT) == math.floor(hi_t / INBOX_SLOT) then
+    local m = inbox_meta(base, math.floor(lo_t / INBOX_SLOT))
+    if not m or m.h < lo_t then return {} end  -- (nil for every index: not recorded)
+  end
   local seen, order, groups = {}, {}, {}
   local hidx, hrecs = {}, {}  -- hashed records
   local lo, hi, g = 0, -1, nil  -- the span the previous id's bucket covers (g false: no records there)
+  local top = -1  -- the highest id time recorded in that bucket's slot (its field h)
   for i = 1, count do
     seen[i] = false
     local o = (i - 1) * 16
@@ -86,6 +93,7 @@ local function inbox_seen_many(base, recs, count)
         if m then
           local key, _s
           key, _s, lo, hi = inbox_bucket(base, m, t)
+          top = m.h
           g = groups[key]
           if not g then
             g = {key = key, fields = {}, idx = {}, n = 0}
@@ -97,7 +105,9 @@ local function inbox_seen_many(base, recs, count)
           lo, hi = slot * INBOX_SLOT, (slot + 1) * INBOX_SLOT
         end
       end
-      if g then
+      -- Every record of a slot writes its h (inbox_flush): an id above it was never recorded, so
+      -- the ids of a fetch newer than everything processed (a queue read in order) cost no lookup.
+      if g and t <= top then
         local n = g.n + 1
         g.n = n
         g.fields[n] = string.sub(recs, o + 4, o + 16)

@@ -43,6 +43,7 @@ local INBOX_REGIMES = 16        -- at most this many span changes in one slot
 local INBOX_DEFAULT_WINDOW = 7 * 24 * 3600 * 1000
 local INBOX_MARGIN = 60000     -- ms a key's expiry may run past the window (at most)
 local inbox_pt, inbox_pf = {}, {}  -- ids to record (inbox_record_all): their times, their 13-byte fields
+local inbox_plo, inbox_phi = math.huge, -1  -- the lowest and highest of those times
 local inbox_hp = {}  -- hashed records to record (inbox_record_all)
 
 local function inbox_shift_for(per_ms)  -- the S whose buckets hold about INBOX_FILL ids at this rate
@@ -58,21 +59,27 @@ local function inbox_shift(m, t)
 end
 
 -- Queue every id of a string of count 16-byte records (zero records are ignored); inbox_flush
--- writes the queued ids.
+-- writes the queued ids. (inbox_t inlined: every call of a function, Lua's or C's, costs the
+-- server more than the arithmetic around it.)
 local function inbox_record_all(recs, count)
   local pt, pf = inbox_pt, inbox_pf
   local n = #pt
+  local lo, hi = inbox_plo, inbox_phi
   for i = 0, count - 1 do
     local o = i * 16
-    local t = inbox_t(recs, o)
-    if t then
+    local a, b, c, d, e, f, v = string.byte(recs, o + 1, o + 7)
+    if v >= 112 then
+      local t = ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f
       n = n + 1
       pt[n] = t
       pf[n] = string.sub(recs, o + 4, o + 16)
-    elseif string.byte(recs, o + 7) == INBOX_HASHED then
+      if t < lo then lo = t end
+      if t > hi then hi = t end
+    elseif v == INBOX_HASHED then
       inbox_hp[#inbox_hp + 1] = string.sub(recs, o + 1, o + 16)
     end
   end
+  inbox_plo, inbox_phi = lo, hi
 end
 
 -- Start a regime with shift s for ids above every id recorded so far (m.h): ids already written
@@ -107,12 +114,20 @@ local function inbox_flush(base)
   end
   local pt, pf = inbox_pt, inbox_pf
   if #pt == 0 then return end
-  inbox_pt, inbox_pf = {}, {}
+  local plo, phi = inbox_plo, inbox_phi
+  inbox_pt, inbox_pf, inbox_plo, inbox_phi = {}, {}, math.huge, -1
   local window = tonumber(redis.call('HGET', base .. ':info', 'window')) or INBOX_DEFAULT_WINDOW
   local margin = math.min(INBOX_MARGIN, math.floor(window / 4))
   local slots, sorder = {}, {}
   local slo, shi, g = 0, -1, nil  -- the span of the previous id's slot, and its group
-  for i = 1, #pt do
+  local ungrouped = #pt
+  if math.floor(plo / INBOX_SLOT) == math.floor(phi / INBOX_SLOT) then  -- one slot (the common case)
+    local slot = math.floor(plo / INBOX_SLOT)
+    slots[slot] = {fs = pf, ts = pt, n = #pt, lo = plo, hi = phi}
+    sorder[1] = slot
+    ungrouped = 0
+  end
+  for i = 1, ungrouped do
     local t = pt[i]
     if t < slo or t >= shi then
       local slot = math.floor(t / INBOX_SLOT)

@@ -1,0 +1,61 @@
+"""The inbox check's shortcuts (issue #33): a batch newer than every id recorded in its slot is
+not read id by id, and nothing recorded is ever missed for it (a duplicate that ran again)."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker import now_ms
+from broker.protocol import GroupPartition
+from broker.redis import RedisBroker
+from broker.redis.keys import INBOX_SLOT_MS, inbox_records, inbox_records_spanned
+from tests.test_inbox_memory import _view, claim, record, uuid7_at
+
+pytestmark = pytest.mark.anyio
+
+
+async def claim_spanned(broker: RedisBroker, view: GroupPartition, ids: list[str]) -> list[int]:
+    """inbox_claim.lua as the worker calls it: with the batch's id-time span when it has one."""
+    records, span = inbox_records_spanned(ids)
+    args = [now_ms(), 60_000, len(ids), 0, len(ids), *ids, records, *(span or ())]
+    return [int(x) for x in await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args)]
+
+
+def test_the_span_is_given_only_when_text_order_is_time_order() -> None:
+    ids = [uuid7_at(1_700_000_000_000 + k) for k in (5, 1, 9, 3)]
+    records, span = inbox_records_spanned(ids)
+    assert records == inbox_records(ids)
+    assert span == (1_700_000_000_001, 1_700_000_000_009)
+    assert inbox_records_spanned([*ids, ids[0].upper()])[1] is None  # (upper-case hex sorts before lower)
+    assert inbox_records_spanned([*ids, "order-7"])[1] is None  # kept by its hash: no time
+    assert inbox_records_spanned([])[1] is None
+
+
+@pytest.mark.parametrize("spanned", [True, False], ids=["worker's call", "no span"])
+async def test_a_batch_reaching_the_newest_recorded_id_still_finds_it(broker: RedisBroker, spanned: bool) -> None:
+    """The shortcut compares with the slot's highest recorded time (h): an id at exactly that time,
+    or below it, is looked up; only ids above it are known new without a lookup."""
+    view = await _view(broker)
+    check = claim_spanned if spanned else claim
+    t0 = (now_ms() // INBOX_SLOT_MS) * INBOX_SLOT_MS + 1000  # (inside one slot)
+    done = [uuid7_at(t0 + k) for k in range(50)]
+    await record(broker, view, done)
+    newest = done[-1]
+    same_ms = uuid7_at(t0 + 49)  # the newest recorded id's millisecond, not recorded itself
+    newer = [uuid7_at(t0 + 50 + k) for k in range(20)]
+    assert await check(broker, view, [newest, same_ms, *newer]) == [1, 0, *[0] * 20]
+    assert await check(broker, view, [*newer[:5], done[0], done[25]]) == [2] * 5 + [1, 1]  # (5 leased above)
+    fresh = [uuid7_at(t0 + 100 + k) for k in range(20)]
+    assert await check(broker, view, fresh) == [0] * 20  # all above h: the shortcut's case
+
+
+async def test_a_batch_over_two_slots_finds_what_either_slot_recorded(broker: RedisBroker) -> None:
+    """The span's shortcut holds for one slot only: an older slot's h says nothing of a newer one."""
+    view = await _view(broker)
+    edge = (now_ms() // INBOX_SLOT_MS) * INBOX_SLOT_MS  # the first ms of this slot
+    before = [uuid7_at(edge - 10 + k) for k in range(5)]  # the slot before, its last ms
+    later = uuid7_at(edge + 3)
+    await record(broker, view, [*before, later])
+    assert await claim_spanned(broker, view, [uuid7_at(edge - 2), later]) == [0, 1]
+    after = [uuid7_at(edge + 10 + k) for k in range(5)]
+    assert await claim_spanned(broker, view, [*after, before[2]]) == [0] * 5 + [1]
