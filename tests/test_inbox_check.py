@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 from broker import now_ms
+from broker.ids import new_id
 from broker.protocol import GroupPartition
 from broker.redis import RedisBroker
 from broker.redis.keys import INBOX_SLOT_MS, inbox_records, inbox_records_spanned
+from broker.redis.reading import claim_statuses
 from tests.test_inbox_memory import _view, claim, record, uuid7_at
 
 pytestmark = pytest.mark.anyio
@@ -18,7 +20,7 @@ async def claim_spanned(broker: RedisBroker, view: GroupPartition, ids: list[str
     """inbox_claim.lua as the worker calls it: with the batch's id-time span when it has one."""
     records, span = inbox_records_spanned(ids)
     args = [now_ms(), 60_000, len(ids), 0, len(ids), *ids, records, *(span or ())]
-    return [int(x) for x in await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args)]
+    return claim_statuses(await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args), len(ids))
 
 
 def test_the_span_is_given_only_when_text_order_is_time_order() -> None:
@@ -47,6 +49,22 @@ async def test_a_batch_reaching_the_newest_recorded_id_still_finds_it(broker: Re
     assert await check(broker, view, [*newer[:5], done[0], done[25]]) == [2] * 5 + [1, 1]  # (5 leased above)
     fresh = [uuid7_at(t0 + 100 + k) for k in range(20)]
     assert await check(broker, view, fresh) == [0] * 20  # all above h: the shortcut's case
+
+
+async def test_an_all_new_batch_is_answered_with_its_count(broker: RedisBroker) -> None:
+    """The claim's reply for a batch it leased whole is the count (claim_statuses expands it); any
+    other status makes it a list, so a duplicate is never hidden in the short form."""
+    view = await _view(broker)
+    ids = [new_id() for _ in range(30)]
+    records, span = inbox_records_spanned(ids)
+    args = [now_ms(), 60_000, len(ids), 0, len(ids), *ids, records, *(span or ())]
+    assert await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args) == 30
+    await record(broker, view, ids[:1])
+    again = [ids[0], new_id()]
+    records, span = inbox_records_spanned(again)
+    args = [now_ms(), 60_000, 2, 0, 2, *again, records, *(span or ())]
+    assert await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args) == [1, 0]
+    assert claim_statuses(3, 3) == [0, 0, 0] and claim_statuses([b"1", 2], 2) == [1, 2]
 
 
 async def test_a_batch_over_two_slots_finds_what_either_slot_recorded(broker: RedisBroker) -> None:

@@ -19,6 +19,7 @@ from broker.redis import RedisBroker
 from broker.redis.effects import RedisEffects
 from broker.redis.inspect import INBOX_BYTES_PER_ID, describe, inbox_memory
 from broker.redis.keys import INBOX_SLOT_MS, compact_id, inbox_record, inbox_records, inbox_slot
+from broker.redis.reading import claim_statuses
 from framework import Service
 from framework.cli.status import over_budget
 from framework.settings import RuntimeSettings, inbox_memory_budget, parse_bytes
@@ -53,7 +54,7 @@ async def record(broker: RedisBroker, view: GroupPartition, ids: list[str]) -> N
 async def claim(broker: RedisBroker, view: GroupPartition, ids: list[str], *, window_ms: int = 0) -> list[int]:
     """inbox_claim.lua on message ids alone (first deliveries)."""
     args = [now_ms(), 60_000, len(ids), window_ms, len(ids), *ids, inbox_records(ids)]
-    return [int(x) for x in await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args)]
+    return claim_statuses(await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args), len(ids))
 
 
 async def bucket_keys(broker: RedisBroker, view: GroupPartition) -> list[bytes]:

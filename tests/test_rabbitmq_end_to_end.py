@@ -300,6 +300,7 @@ async def _recorded(redis_url: str, namespace: str, ids: dict[int, list[str]]) -
     from broker.envelope import now_ms
     from broker.redis import RedisBroker
     from broker.redis.keys import inbox_records
+    from broker.redis.reading import claim_statuses
     from broker.topology import DestinationSpec
 
     broker = await connect(redis_url, namespace=namespace)
@@ -312,8 +313,10 @@ async def _recorded(redis_url: str, namespace: str, ids: dict[int, list[str]]) -
                 continue
             view = broker.group_partition(spec, partition, "billing")
             args = [now_ms(), 1, len(chunk), 0, len(chunk), *chunk, inbox_records(chunk)]
-            statuses = await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args)
-            found |= {mid for mid, status in zip(chunk, statuses, strict=True) if int(status) == 1}
+            statuses = claim_statuses(
+                await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args), len(chunk)
+            )
+            found |= {mid for mid, status in zip(chunk, statuses, strict=True) if status == 1}
         return found
     finally:
         await broker.close()

@@ -20,11 +20,19 @@ from broker.redis.core import RedisCore, text
 from broker.redis.keys import inbox_records_spanned
 from broker.redis.wire import Channel
 
-__all__ = ["SCRIPT_CHUNK", "Reading", "lease_lost"]
+__all__ = ["SCRIPT_CHUNK", "Reading", "claim_statuses", "lease_lost"]
 
 SCRIPT_CHUNK = 1000
 """Entry ids per script call (extend, ack): Lua's unpack() fails beyond about 8000 values, and a
 script blocks the server while it runs."""
+
+
+def claim_statuses(reply: Any, n: int) -> list[int]:
+    """``inbox_claim.lua``'s reply as one status per id: an integer reply says all ``n`` were leased
+    to the caller (status 0), the common case, which spares the server a reply of ``n`` zeros."""
+    if isinstance(reply, int):
+        return [0] * n
+    return [int(x) for x in reply]
 
 
 def lease_lost(source: GroupPartition, outcome: str) -> LeaseLost:
@@ -385,18 +393,17 @@ class Reading(RedisCore):
             ids = [d.message_id for d in deliveries]
             records, span = inbox_records_spanned(ids)
             args = [now_ms(), lease_ms, len(ids), window_ms, len(ids), *ids, records, *(span or ())]
-            statuses: list[int]  # the script's reply
             if channel is not None:
-                statuses = await script.on(channel, keys, args)
+                reply = await script.on(channel, keys, args)
             else:
-                statuses = await script(self.redis, keys, args)
-            return statuses
+                reply = await script(self.redis, keys, args)
+            return claim_statuses(reply, len(ids))
         first = [d for d in deliveries if d.delivery_count == 1]
         ids = [*(d.message_id for d in first), *(d.message_id for d in again)]
         records, span = inbox_records_spanned(ids)
         args = [now_ms(), lease_ms, len(first), window_ms, len(ids), *ids, records, *(span or ())]
         reply = await (script.on(channel, keys, args) if channel is not None else script(self.redis, keys, args))
-        status = dict(zip((id(d) for d in [*first, *again]), (int(x) for x in reply), strict=True))
+        status = dict(zip((id(d) for d in [*first, *again]), claim_statuses(reply, len(ids)), strict=True))
         return [status[id(d)] for d in deliveries]
 
     @staticmethod
