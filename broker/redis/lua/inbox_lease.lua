@@ -13,7 +13,7 @@
 -- Returns one status per id, in order: 0 = leased to the caller (run it), 1 = already processed
 -- (a duplicate: ack it without running), 2 = being processed elsewhere under a live lease; and
 -- true when every status is 0 (a caller may then reply with the count: a reply of 500 zeros costs
--- the server about 2k instructions per id).
+-- the server about 1k instructions per id).
 -- One ZMSCORE and one variadic ZADD per 1000 ids (not one call per id); the buckets are checked
 -- with one HMGET per bucket the ids fall in (a handful per batch).
 local function inbox_lease(base, now, lease_ms, window, ids, off, n, c, recs, lo, hi)
