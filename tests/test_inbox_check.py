@@ -3,9 +3,12 @@ not read id by id, and nothing recorded is ever missed for it (a duplicate that 
 
 from __future__ import annotations
 
+from typing import Any
+
+import attrs
 import pytest
 
-from broker import now_ms
+from broker import Envelope, now_ms
 from broker.ids import new_id
 from broker.protocol import GroupPartition
 from broker.redis import RedisBroker
@@ -16,11 +19,15 @@ from tests.test_inbox_memory import _view, claim, record, uuid7_at
 pytestmark = pytest.mark.anyio
 
 
-async def claim_spanned(broker: RedisBroker, view: GroupPartition, ids: list[str]) -> list[int]:
-    """inbox_claim.lua as the worker calls it: with the batch's id-time span when it has one."""
+async def claim_reply(broker: RedisBroker, view: GroupPartition, ids: list[str]) -> Any:
+    """inbox_claim.lua's reply as the worker calls it: with the batch's id-time span when it has one."""
     records, span = inbox_records_spanned(ids)
     args = [now_ms(), 60_000, len(ids), 0, len(ids), *ids, records, *(span or ())]
-    return claim_statuses(await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args), len(ids))
+    return await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args)
+
+
+async def claim_spanned(broker: RedisBroker, view: GroupPartition, ids: list[str]) -> list[int]:
+    return claim_statuses(await claim_reply(broker, view, ids), len(ids))
 
 
 def test_the_span_is_given_only_when_text_order_is_time_order() -> None:
@@ -56,14 +63,9 @@ async def test_an_all_new_batch_is_answered_with_its_count(broker: RedisBroker) 
     other status makes it a list, so a duplicate is never hidden in the short form."""
     view = await _view(broker)
     ids = [new_id() for _ in range(30)]
-    records, span = inbox_records_spanned(ids)
-    args = [now_ms(), 60_000, len(ids), 0, len(ids), *ids, records, *(span or ())]
-    assert await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args) == 30
+    assert await claim_reply(broker, view, ids) == 30
     await record(broker, view, ids[:1])
-    again = [ids[0], new_id()]
-    records, span = inbox_records_spanned(again)
-    args = [now_ms(), 60_000, 2, 0, 2, *again, records, *(span or ())]
-    assert await broker.scripts["inbox_claim"](broker.redis, [view.keys.inbox], args) == [1, 0]
+    assert await claim_reply(broker, view, [ids[0], new_id()]) == [1, 0]
     assert claim_statuses(3, 3) == [0, 0, 0] and claim_statuses([b"1", 2], 2) == [1, 2]
 
 
@@ -77,3 +79,19 @@ async def test_a_batch_over_two_slots_finds_what_either_slot_recorded(broker: Re
     assert await claim_spanned(broker, view, [uuid7_at(edge - 2), later]) == [0, 1]
     after = [uuid7_at(edge + 10 + k) for k in range(5)]
     assert await claim_spanned(broker, view, [*after, before[2]]) == [0] * 5 + [1]
+
+
+async def test_redeliveries_mixed_with_first_deliveries_get_their_own_statuses(broker: RedisBroker) -> None:
+    """The claim takes first deliveries first (they respect a live lease held elsewhere) and maps
+    the statuses back to the caller's order."""
+    view = await _view(broker, "mix.q")
+    ids = [new_id() for _ in range(4)]
+    await broker.publish([Envelope(destination="mix.q", kind="command", type="C", body=b"{}", id=i) for i in ids])
+    held = await broker.read(view, "a", 10, 10)
+    assert [d.message_id for d in held] == ids
+    assert await broker.inbox_claim(view, held[:2], 60_000) == [0, 0]  # leased to us, live
+    await record(broker, view, [ids[3]])
+    mixed = [held[3], attrs.evolve(held[1], delivery_count=2), held[0], held[2]]
+    # held[3] recorded: a duplicate; the redelivered held[1] takes its lease over; held[0], a first
+    # delivery, meets a live lease; held[2] is new
+    assert await broker.inbox_claim(view, mixed, 60_000) == [1, 0, 2, 0]

@@ -389,21 +389,16 @@ class Reading(RedisCore):
         script = self.scripts["inbox_claim"]
         keys = [source.keys.inbox]
         again = [d for d in deliveries if d.delivery_count != 1]
-        if not again:  # the common case: one list, statuses in order
-            ids = [d.message_id for d in deliveries]
-            records, span = inbox_records_spanned(ids)
-            args = [now_ms(), lease_ms, len(ids), window_ms, len(ids), *ids, records, *(span or ())]
-            if channel is not None:
-                reply = await script.on(channel, keys, args)
-            else:
-                reply = await script(self.redis, keys, args)
-            return claim_statuses(reply, len(ids))
-        first = [d for d in deliveries if d.delivery_count == 1]
-        ids = [*(d.message_id for d in first), *(d.message_id for d in again)]
+        # First deliveries go first (the script's n); the common case has none again: the order as is.
+        ordered = [*(d for d in deliveries if d.delivery_count == 1), *again] if again else deliveries
+        ids = [d.message_id for d in ordered]
         records, span = inbox_records_spanned(ids)
-        args = [now_ms(), lease_ms, len(first), window_ms, len(ids), *ids, records, *(span or ())]
+        args = [now_ms(), lease_ms, len(ids) - len(again), window_ms, len(ids), *ids, records, *(span or ())]
         reply = await (script.on(channel, keys, args) if channel is not None else script(self.redis, keys, args))
-        status = dict(zip((id(d) for d in [*first, *again]), claim_statuses(reply, len(ids)), strict=True))
+        statuses = claim_statuses(reply, len(ids))
+        if not again:
+            return statuses
+        status = dict(zip(map(id, ordered), statuses, strict=True))
         return [status[id(d)] for d in deliveries]
 
     @staticmethod
