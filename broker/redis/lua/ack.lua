@@ -9,7 +9,8 @@
 --          check without it)
 -- ARGV[#ARGV]  with KEYS[4]: the caller's fencing token, or '' when the partition is not owned (no check)
 -- ARGV[1]  group
--- ARGV[2]  "1" to XDEL the entries after XACK (queues, redeliver streams), "0" to keep them (topics)
+-- ARGV[2]  "1" to delete the entries after XACK (queues, redeliver streams: stream_drop.lua), "0" to
+--          keep them (topics)
 -- ARGV[3]  now, Unix ms
 -- ARGV[4]  n, entry ids that follow
 -- ARGV[5]  m, message ids to record in the inbox that follow the entry ids (0 when the inbox is off)
@@ -30,6 +31,7 @@
 -- current; with w > 0, {acknowledged, one outcome per write: 1 written, 0 skipped, -2 guard
 -- failed, {error} refused}.
 --#include inbox_store
+--#include stream_drop
 local fence = KEYS[4] and ARGV[#ARGV] or ''
 if fence ~= '' and redis.call('HGET', KEYS[4], 'token') ~= fence then return -1 end  -- fenced: no effect
 local n, m, k = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -41,7 +43,7 @@ local function settle(a, ea, eb, b, ba, bb, r)
   local acked = 0
   if eb >= ea then
     acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(a, ea, eb))
-    if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(a, ea, eb)) end
+    if ARGV[2] == '1' then stream_drop(KEYS[1], ARGV[1], a, ea, eb, acked) end
   end
   local count = bb - ba + 1
   if count > 0 then

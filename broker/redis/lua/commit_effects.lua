@@ -12,7 +12,7 @@
 -- KEYS[5]  the partition's lease hash for the group (lease.lua): the fencing check
 -- KEYS[6 ..]  the keys the writes and outgoing messages touch (declared for Cluster routing)
 -- ARGV[1]  group
--- ARGV[2]  "1" to XDEL each entry after XACK
+-- ARGV[2]  "1" to delete each entry after XACK (stream_drop.lua)
 -- ARGV[3]  now, Unix ms
 -- ARGV[4]  the caller's fencing token, or '' when the partition is not owned (no check)
 -- ARGV[5]  k: number of messages
@@ -45,6 +45,7 @@
 -- lease (a redrive runs the handler again) and drops its attempts counter; its outgoing messages are
 -- not sent (unless one of them failed: those before it were). The other messages of the call go on.
 --#include inbox_store
+--#include stream_drop
 if ARGV[4] ~= '' and redis.call('HGET', KEYS[5], 'token') ~= ARGV[4] then return -1 end  -- fenced: no effect
 -- unpack() below fails past about 8000 values (Lua's C stack), which would stop the script after
 -- the commands before it were applied and leave the entry pending: a retry would apply them again.
@@ -198,8 +199,8 @@ for i = 1, k do
   results[i] = commit(msgs[i], bins[i], seen[i], scores[i])
 end
 if #acks > 0 then
-  redis.call('XACK', KEYS[1], ARGV[1], unpack(acks))
-  if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(acks)) end
+  local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(acks))
+  if ARGV[2] == '1' then stream_drop(KEYS[1], ARGV[1], acks, 1, #acks, acked) end
   redis.call('HDEL', KEYS[3], unpack(counters))
 end
 if #released > 0 then redis.call('ZREM', KEYS[2], unpack(released)) end
