@@ -3,14 +3,16 @@
 --
 -- XDEL finds and marks each entry: about 8k server instructions per entry (Valkey 9.1, measured),
 -- as much as the rest of a plain ack. XTRIM MINID drops whole runs of the stream's oldest entries
--- for about 130 per entry. A queue (or a group's redeliver stream) is read by one group, in id
--- order, so every entry below the group's oldest pending entry was delivered and is no longer
--- pending: acknowledged (or skipped by the group's start, which nobody reads either). When nothing
--- is pending, every entry up to the group's last delivered id is. So the acknowledged entries of a
--- batch acked in order (a backlog's, or any batch with no older message still running) go by one
--- trim to that bound; when the trim removed fewer entries than the call acknowledged, some of
--- them lie above an older entry still running and every one goes by XDEL, as before. Entries at or
--- above the bound are never touched: pending ones, and ones the group has not read.
+-- for about 130 per entry. A queue (or a group's redeliver stream) is read by one group from its
+-- first entry, in id order (broker.redis.topology refuses a second group on a queue), so every
+-- entry below the group's oldest pending entry was delivered and is no longer pending:
+-- acknowledged. When nothing is pending, every entry up to the group's last delivered id is. And
+-- every ack deletes all it acknowledged (by this trim or by XDEL), so what lies below that bound
+-- is exactly what this call acknowledged there: the entries of a batch acked in order (a
+-- backlog's, or any batch with no older message still running) go by one trim to the bound, and
+-- when the trim removed fewer entries than the call acknowledged, some of them lie above an older
+-- entry still running and every one goes by XDEL, as before. Entries at or above the bound are
+-- never touched: pending ones, and ones the group has not read.
 -- Only commands of the documented worker ACL are used (XPENDING, XINFO GROUPS, XTRIM, XDEL).
 local STREAM_TRIM_FROM = 8  -- fewer entries than this go by XDEL alone (the latency path: one or two)
 
