@@ -111,7 +111,8 @@ def decode_fields(fields: Mapping[bytes, bytes], destination: str, kind: Kind, m
         type_name = fields.get(b"type", b"").decode()
         ts = fields.get(b"ts")
         published_at = int(ts) if ts is not None else 0
-        key = fields.get(b"key")
+        raw_key = fields.get(b"key")
+        key = raw_key.decode() if raw_key is not None else None
         raw_headers = fields.get(b"headers")
         headers = orjson.loads(raw_headers) if raw_headers else {}
         attempt_raw = fields.get(b"attempt")
@@ -125,7 +126,7 @@ def decode_fields(fields: Mapping[bytes, bytes], destination: str, kind: Kind, m
         kind=kind,
         type=type_name,
         body=body,
-        key=key.decode() if key is not None else None,
+        key=key,
         headers=headers,
         id=message_id,
         published_at=published_at,

@@ -28,6 +28,8 @@ import cattrs
 import orjson
 from cattrs.preconf.orjson import make_converter
 
+from framework._fast_structure import fast_structure
+
 __all__ = [
     "JSON_CONTENT_TYPE",
     "RAW_CONTENT_TYPE",
@@ -44,6 +46,8 @@ RAW_CONTENT_TYPE = "application/octet-stream"
 converter: cattrs.Converter = make_converter(forbid_extra_keys=False)
 """The converter used for every payload; register hooks on it for custom types."""
 
+_STRICT_HOOKS: dict[type, Any] = {}
+
 
 def _strict(tp: type, accepts: tuple[type, ...], rejects: tuple[type, ...] = ()) -> None:
     """Refuse silent coercion (cattrs would turn 5 into "5"): a payments payload must be exact."""
@@ -56,6 +60,7 @@ def _strict(tp: type, accepts: tuple[type, ...], rejects: tuple[type, ...] = ())
         raise ValueError(f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
 
     converter.register_structure_hook(tp, hook)
+    _STRICT_HOOKS[tp] = hook
 
 
 _strict(str, (str,))
@@ -140,12 +145,18 @@ def decoder_for(tp: Any) -> Callable[[bytes], Any]:
             "dict, list, bytes, str or a type registered on framework._payloads.converter"
         )
     hook = converter.get_structure_hook(tp)
+    fast = fast_structure(tp, converter, _STRICT_HOOKS) if is_class else None
 
     def decode(body: bytes) -> Any:
         try:
             raw = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise PayloadError(f"body is not JSON: {exc}") from None
+        if fast is not None:
+            try:
+                return fast(raw)
+            except Exception:  # not the common case as is: the converter decides (and names the field)
+                pass
         try:
             return hook(raw, tp)
         except Exception as exc:

@@ -119,12 +119,22 @@ async def test_undecodable_and_invalid_messages_are_dead_lettered_with_the_reaso
         await h.client.send("billing.charge", {"order_id": "o-3"})
         stream = h.broker.keyspace.partition("billing.charge", 0).stream
         await h.broker.redis.xadd(stream, {"no": "envelope"})
+        # a key that is not UTF-8 (it escaped the decoder as a UnicodeDecodeError before, and the read failed)
+        bad_key = {
+            "id": "m-bad-key",
+            "type": "Charge",
+            "body": b'{"order_id":"o-4","cents":1}',
+            "ts": 1,
+            "key": b"\xff",
+        }
+        await h.broker.redis.xadd(stream, bad_key)  # type: ignore[arg-type]
         await h.client.send("billing.charge", Charge("o-ok", 1))
         await h.run_until_idle()
         dead = await DeadLetters(h.broker).list()
     assert ran == 1
     reasons = sorted(d.reason for d in dead)
-    assert len(reasons) == 4
+    assert len(reasons) == 5
+    assert any("undecodable message: malformed envelope field" in r for r in reasons), reasons
     assert any("body is not JSON" in r for r in reasons)
     assert any("expected int @ payload.cents" in r for r in reasons)
     assert any("required field missing @ payload.cents" in r for r in reasons)

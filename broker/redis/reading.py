@@ -17,6 +17,7 @@ from broker.envelope import Envelope, now_ms
 from broker.errors import DecodeError, LeaseLost
 from broker.protocol import Delivery, Extension, GroupPartition
 from broker.redis.core import RedisCore, text
+from broker.redis.deliveries import deliveries_of
 from broker.redis.keys import inbox_records_spanned
 from broker.redis.wire import Channel
 
@@ -59,27 +60,7 @@ class Reading(RedisCore):
     """Delivers entries of a group's partition (and its redeliver stream) to consumers."""
 
     def _deliveries(self, source: GroupPartition, reply: Any, counts: dict[str, int] | None = None) -> list[Delivery]:
-        out: list[Delivery] = []
-        if not reply:
-            return out
-        name, kind = source.spec.name, source.spec.kind
-        if isinstance(reply, dict):  # RESP3 servers/clients answer with a map
-            reply = list(reply.items())
-        append = out.append
-        limit = self.max_body_bytes
-        for stream_name, entries in reply:
-            stream = text(stream_name)
-            for entry_id, flat in entries:
-                eid = entry_id.decode()
-                count = counts.get(eid, 1) if counts is not None else 1
-                if flat is None:  # deleted from the stream while pending
-                    append(Delivery(source, stream, eid, [], None, "entry was deleted while pending", count))
-                    continue
-                try:
-                    append(Delivery(source, stream, eid, flat, decode_flat(flat, name, kind, limit), None, count))
-                except DecodeError as exc:
-                    append(Delivery(source, stream, eid, flat, None, str(exc), count))
-        return out
+        return deliveries_of(source, reply, self.max_body_bytes, counts)
 
     def channel(self) -> Channel | None:
         """A dedicated connection for one task's hot path (None on a Cluster: use the client)."""
