@@ -60,6 +60,7 @@ window, so whole buckets expire a window after their last write.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Sequence
 
@@ -90,6 +91,15 @@ INBOX_SLOT_MS = 1 << 20
 _UUID78 = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[78][0-9a-fA-F]{3}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 INBOX_HASHED = 1
 """The 7th byte of the inbox record of an id that is not a UUIDv7/v8 (a hash; see :func:`inbox_record`)."""
+
+
+INBOX_FINE_ENV = "FRAMEWORK_INBOX_FINE_BUCKETS"
+
+
+def inbox_fine_buckets() -> bool:
+    """Whether ``$FRAMEWORK_INBOX_FINE_BUCKETS`` turns on buckets finer than a millisecond for the
+    groups this process subscribes (``1``/``true``/``yes``/``on``; anything else, or unset: off)."""
+    return os.environ.get(INBOX_FINE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def compact_id(message_id: str) -> bytes:

@@ -33,8 +33,12 @@ local function inbox_meta(base, slot)
     local v = redis.call('HMGET', key, 'r', 'n', 'h', 'f')
     if v[1] then
       local r = {}
-      for t, s in string.gmatch(v[1], '(%d+):(%d+)') do r[#r + 1] = {tonumber(t), tonumber(s)} end
-      m = {key = key, r = r, n = tonumber(v[2]) or 0, h = tonumber(v[3]) or 0, f = tonumber(v[4])}
+      local fine = false
+      for t, s in string.gmatch(v[1], '(%d+):(%-?%d+)') do
+        r[#r + 1] = {tonumber(t), tonumber(s)}
+        if r[#r][2] < 0 then fine = true end
+      end
+      m = {key = key, r = r, n = tonumber(v[2]) or 0, h = tonumber(v[3]) or 0, f = tonumber(v[4]), fine = fine}
     else
       m = false
     end
@@ -52,11 +56,23 @@ local function inbox_regime_at(m, t)
 end
 
 -- The bucket of id time t under the slot's regimes: its key, its shift S, and the span [lo, hi)
--- of id times that fall in it (the bucket's own span cut by the regimes' bounds).
-local function inbox_bucket(base, m, t)
+-- of id times that fall in it (the bucket's own span cut by the regimes' bounds). A regime with
+-- S < 0 splits each millisecond into 2^-S buckets, 'b:<S>:<t as hex>.<j>', an id going to the
+-- one its j says: the low -S bits of sub, the 8th byte of its record (the low byte of the UUID's
+-- rand_a); such a bucket's span is its millisecond, and it holds only the ids of that j. Writers
+-- start such regimes only once <inbox>:info says fine = 1 (inbox_store.lua): workers of earlier
+-- releases cannot read them.
+local function inbox_fine_prefix(base, s, t)  -- the key of a bucket of millisecond t, but its j
+  return base .. ':b:' .. s .. ':' .. string.format('%x', t) .. '.'
+end
+
+local function inbox_bucket(base, m, t, sub)
   local r = m.r
   local i = inbox_regime_at(m, t)
   local s = r[i][2]
+  if s < 0 then
+    return inbox_fine_prefix(base, s, t) .. (sub % 2 ^ -s), s, t, t + 1
+  end
   local unit = 2 ^ s
   local k = math.floor(t / unit)
   local lo, hi = k * unit, (k + 1) * unit
@@ -79,6 +95,7 @@ local function inbox_seen_many(base, recs, count, lo_t, hi_t)
   local hidx, hrecs = {}, {}  -- hashed records
   local lo, hi, g = 0, -1, nil  -- the span the previous id's bucket covers (g false: no records there)
   local top = -1  -- the highest id time recorded in that bucket's slot (its field h)
+  local fine, sub, bsub, lo_sub = false, 0, 1, 0  -- that bucket splits its ms (S < 0); its j
   for i = 1, count do
     seen[i] = false
     local o = (i - 1) * 16
@@ -87,12 +104,16 @@ local function inbox_seen_many(base, recs, count, lo_t, hi_t)
       hidx[#hidx + 1] = i
       hrecs[#hrecs + 1] = string.sub(recs, o + 1, o + 16)
     elseif t then
-      if t < lo or t >= hi then
+      if fine then sub = string.byte(recs, o + 8) end
+      if t < lo or t >= hi or (fine and sub % bsub ~= lo_sub) then
         local slot = math.floor(t / INBOX_SLOT)
         local m = inbox_meta(base, slot)
         if m then
-          local key, _s
-          key, _s, lo, hi = inbox_bucket(base, m, t)
+          local key, s
+          sub = string.byte(recs, o + 8)
+          key, s, lo, hi = inbox_bucket(base, m, t, sub)
+          fine = s < 0
+          if fine then bsub = 2 ^ -s; lo_sub = sub % bsub end
           top = m.h
           g = groups[key]
           if not g then
@@ -102,6 +123,7 @@ local function inbox_seen_many(base, recs, count, lo_t, hi_t)
           end
         else  -- a slot nothing was recorded in
           g = false
+          fine = false
           lo, hi = slot * INBOX_SLOT, (slot + 1) * INBOX_SLOT
         end
       end

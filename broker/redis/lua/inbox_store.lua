@@ -29,6 +29,12 @@
 -- steady rate a key's expiry is written once per M, not on every call (each PEXPIRE is a write
 -- the AOF and replicas take). A bucket expires between a window and a window + M after its last
 -- write.
+-- Finer than a millisecond: once <inbox>:info says fine = 1 (every worker of the group reads such
+-- buckets; broker.redis.topology sets it when $FRAMEWORK_INBOX_FINE_BUCKETS is on), S may go down
+-- to INBOX_FINE < 0: each ms of id time is split into 2^-S buckets 'b:<S>:<t as hex>.<j>', an id
+-- going to the one its j says (the low -S bits of its record's 8th byte: inbox_read.lua's
+-- inbox_bucket). A burst (hundreds of ids in one ms) then fills buckets of about INBOX_FILL, not
+-- one 1-ms listpack that every HSET scans (its cost grows with the square of the burst).
 -- Only commands of the documented worker ACL are used (HGET, HMGET, HSET, HLEN, SADD, PEXPIRE,
 -- PTTL, TIME).
 --
@@ -42,13 +48,17 @@ local INBOX_DEFAULT_SHIFT = 8   -- 256 ms buckets until the rate is known
 local INBOX_REGIMES = 16        -- at most this many span changes in one slot
 local INBOX_DEFAULT_WINDOW = 7 * 24 * 3600 * 1000
 local INBOX_MARGIN = 60000     -- ms a key's expiry may run past the window (at most)
+local INBOX_FINE = -5          -- the finest regime (32 buckets per ms), once <inbox>:info says fine = 1
 local inbox_pt, inbox_pf = {}, {}  -- ids to record (inbox_record_all): their times, their 13-byte fields
 local inbox_plo, inbox_phi = math.huge, -1  -- the lowest and highest of those times
 local inbox_hp = {}  -- hashed records to record (inbox_record_all)
 
-local function inbox_shift_for(per_ms)  -- the S whose buckets hold about INBOX_FILL ids at this rate
+-- The S whose buckets hold about INBOX_FILL ids at this rate, at least min_s (0 unless the group's
+-- workers all read regimes finer than a millisecond: inbox_read.lua's inbox_bucket).
+local function inbox_shift_for(per_ms, min_s)
   local s, span = 0, INBOX_FILL / per_ms
   while s < 20 and 2 ^ (s + 1) <= span do s = s + 1 end
+  while s > min_s and 2 ^ s > span do s = s - 1 end
   return s
 end
 
@@ -104,6 +114,14 @@ local function inbox_slot_rate(m, extra, lo, hi)
   return (m.n + extra) / (math.max(m.h, hi) - f + 1)
 end
 
+-- A bucket of this call's grouping (key, shift s, first id time t), listed in order.
+local function inbox_new_bucket(buckets, border, key, s, t)
+  local b = {key = key, args = {}, c = 0, s = s, lo = t, t = t}
+  buckets[key] = b
+  border[#border + 1] = b
+  return b
+end
+
 -- Record the queued ids: per slot, its info; per bucket, one HSET (ids a bucket already holds are
 -- no-ops), an HLEN when something was added, its expiry set to the window.
 local function inbox_flush(base)
@@ -116,7 +134,9 @@ local function inbox_flush(base)
   if #pt == 0 then return end
   local plo, phi = inbox_plo, inbox_phi
   inbox_pt, inbox_pf, inbox_plo, inbox_phi = {}, {}, math.huge, -1
-  local window = tonumber(redis.call('HGET', base .. ':info', 'window')) or INBOX_DEFAULT_WINDOW
+  local info = redis.call('HMGET', base .. ':info', 'window', 'fine')
+  local window = tonumber(info[1]) or INBOX_DEFAULT_WINDOW
+  local min_s = info[2] == '1' and INBOX_FINE or 0
   local margin = math.min(INBOX_MARGIN, math.floor(window / 4))
   local slots, sorder = {}, {}
   local slo, shi, g = 0, -1, nil  -- the span of the previous id's slot, and its group
@@ -154,7 +174,7 @@ local function inbox_flush(base)
       if prev then rate = prev / INBOX_SLOT end
       if g.n >= 16 then rate = math.max(rate, g.n / (g.hi - g.lo + 1)) end
       local s = INBOX_DEFAULT_SHIFT
-      if rate > 0 then s = inbox_shift_for(rate) end
+      if rate > 0 then s = inbox_shift_for(rate, min_s) end
       m = {key = base .. ':' .. string.format('%07x', slot), r = {{0, s}}, n = 0, h = 0, f = g.lo, dirty = true}
       inbox_metas[slot] = m
     end
@@ -162,19 +182,35 @@ local function inbox_flush(base)
     -- buckets above every id recorded before (m.h), and the ids are grouped again.
     local buckets, border
     local ts, fs = g.ts, g.fs
+    local runs = 0  -- runs of ids of one ms: g.n / runs is this call's ids per ms they fall in
     for attempt = 1, 5 do  -- (the fifth grouping is final: it uses the regimes that are kept)
       buckets, border = {}, {}
+      local prev_t = -1
+      runs = 0
       local lo, hi, b = 0, -1, nil  -- the span of the previous id's bucket, and the bucket
+      -- In a regime finer than a ms (S < 0), the ids of one ms spread over 2^-S buckets by their j
+      -- (the low bits of the record's 8th byte, a field's 5th): that ms's buckets by j.
+      local fine, bsub, jt, prefix, bs = false, 1, nil, nil, 0
       for i = 1, g.n do
         local t = ts[i]
+        if t ~= prev_t then runs = runs + 1; prev_t = t end
         if t < lo or t >= hi then
-          local key, s
-          key, s, lo, hi = inbox_bucket(base, m, t)
-          b = buckets[key]
+          local key
+          local sub = string.byte(fs[i], 5)
+          key, bs, lo, hi = inbox_bucket(base, m, t, sub)
+          fine = bs < 0
+          b = buckets[key] or inbox_new_bucket(buckets, border, key, bs, t)
+          if fine then
+            bsub, jt, prefix = 2 ^ -bs, {}, inbox_fine_prefix(base, bs, t)
+            jt[sub % bsub] = b
+          end
+        elseif fine then
+          local j = string.byte(fs[i], 5) % bsub
+          b = jt[j]
           if not b then
-            b = {key = key, args = {}, c = 0, s = s, lo = t, t = t}
-            buckets[key] = b
-            border[#border + 1] = b
+            local key = prefix .. j
+            b = buckets[key] or inbox_new_bucket(buckets, border, key, bs, t)
+            jt[j] = b
           end
         end
         local c = b.c
@@ -186,9 +222,9 @@ local function inbox_flush(base)
       local split = false
       for _, b in ipairs(border) do
         local count = b.c / 2
-        if attempt < 5 and count > INBOX_MAX and b.s > 0 then
+        if attempt < 5 and count > INBOX_MAX and b.s > min_s then
           local rate = math.max(count / 2 ^ b.s, count / (b.t - b.lo + 1))
-          if inbox_regime(m, inbox_shift_for(rate), b.s) then split = true; break end
+          if inbox_regime(m, inbox_shift_for(rate, min_s), b.s) then split = true; break end
         end
       end
       if not split then break end
@@ -209,8 +245,16 @@ local function inbox_flush(base)
           redis.call('SADD', m.key .. ':k', string.sub(key, #base + 2))
           m.grew = true
         end
-        if len > INBOX_MAX and b.s > 0 then
-          inbox_regime(m, inbox_shift_for(math.max(len / 2 ^ b.s, inbox_slot_rate(m, added_all, g.lo, g.hi))), b.s)
+        if len > INBOX_MAX and b.s > min_s then
+          local rate = math.max(len / 2 ^ b.s, inbox_slot_rate(m, added_all, g.lo, g.hi))
+          inbox_regime(m, inbox_shift_for(rate, min_s), b.s)
+        elseif len == added and len < INBOX_SPARSE and b.s < 0 then
+          -- A new, nearly empty bucket finer than a ms: coarser again if this call's ids came
+          -- fewer per ms than the regime assumed, counted over the ms they fall in (not the
+          -- slot's rate, nor the span of the call's ids: a backlog made in bursts of a few ms,
+          -- sent over seconds, averages far below the density of its bursts)
+          local s = inbox_shift_for(g.n / math.max(runs, 1), min_s)
+          if s > b.s then inbox_regime(m, s, b.s) end
         elseif len == added and len < INBOX_SPARSE and b.s < 20 then
           -- a new, nearly empty bucket: if the one before it also stayed nearly empty, the rate
           -- is lower than the span assumed. The new span comes from the slot's rate so far, not
@@ -224,7 +268,7 @@ local function inbox_flush(base)
             plen = redis.call('HLEN', base .. ':b:' .. b.s .. ':' .. string.format('%x', k))
           end
           if plen < INBOX_SPARSE then
-            local s = inbox_shift_for(inbox_slot_rate(m, added_all, g.lo, g.hi))
+            local s = inbox_shift_for(inbox_slot_rate(m, added_all, g.lo, g.hi), min_s)
             if s > b.s then inbox_regime(m, s, b.s) end
           end
         end
