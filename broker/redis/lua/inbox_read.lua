@@ -33,12 +33,8 @@ local function inbox_meta(base, slot)
     local v = redis.call('HMGET', key, 'r', 'n', 'h', 'f')
     if v[1] then
       local r = {}
-      local fine = false
-      for t, s in string.gmatch(v[1], '(%d+):(%-?%d+)') do
-        r[#r + 1] = {tonumber(t), tonumber(s)}
-        if r[#r][2] < 0 then fine = true end
-      end
-      m = {key = key, r = r, n = tonumber(v[2]) or 0, h = tonumber(v[3]) or 0, f = tonumber(v[4]), fine = fine}
+      for t, s in string.gmatch(v[1], '(%d+):(%-?%d+)') do r[#r + 1] = {tonumber(t), tonumber(s)} end
+      m = {key = key, r = r, n = tonumber(v[2]) or 0, h = tonumber(v[3]) or 0, f = tonumber(v[4])}
     else
       m = false
     end
@@ -110,7 +106,7 @@ local function inbox_seen_many(base, recs, count, lo_t, hi_t)
         local m = inbox_meta(base, slot)
         if m then
           local key, s
-          sub = string.byte(recs, o + 8)
+          if not fine then sub = string.byte(recs, o + 8) end  -- (read above when it was)
           key, s, lo, hi = inbox_bucket(base, m, t, sub)
           fine = s < 0
           if fine then bsub = 2 ^ -s; lo_sub = sub % bsub end
