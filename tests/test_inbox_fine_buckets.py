@@ -5,7 +5,8 @@ each recorded id scans: the cost of the record grows with the square of the burs
 slot regime with S < 0 (2^-S buckets per millisecond, an id's bucket chosen by the low bits of
 its rand_a), cannot be written while workers of earlier releases run (they look only in the 1-ms
 bucket). So every worker reads and follows such regimes (the first tests write one by hand), and
-the writers start one only once ``$FRAMEWORK_INBOX_FINE_BUCKETS`` marked the group.
+the writers start one only once ``$FRAMEWORK_INBOX_FINE_BUCKETS`` marked the group. These tests
+keep hash buckets but where they say (tests/test_inbox_flat_buckets.py has flat ones).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import pytest
 
 from broker import now_ms
+from broker.protocol import GroupPartition
 from broker.redis import RedisBroker
-from broker.redis.keys import INBOX_FINE_ENV, INBOX_SLOT_MS, compact_id, inbox_slot
+from broker.redis.keys import INBOX_FINE_ENV, INBOX_FLAT_ENV, INBOX_SLOT_MS, compact_id, inbox_slot
 from tests.test_inbox_check import claim_spanned
-from tests.test_inbox_memory import _view, claim, record, uuid7_at
+from tests.test_inbox_memory import _view, bucket_size, claim, record, uuid7_at
 
 pytestmark = pytest.mark.anyio
 
@@ -29,7 +31,7 @@ def fine_bucket(inbox: str, message_id: str, shift: int) -> str:
 
 
 async def test_ids_recorded_under_a_finer_regime_go_to_their_own_buckets_and_are_found(broker: RedisBroker) -> None:
-    view = await _view(broker)
+    view = await _view(broker, layout="hash")
     t0 = (now_ms() // INBOX_SLOT_MS) * INBOX_SLOT_MS + 1000  # inside one slot
     meta = f"{view.keys.inbox}:{inbox_slot(t0)}"
     await broker.redis.hset(meta, mapping={"r": "0:-3", "n": 0, "h": 0, "f": t0})  # as a later writer leaves it
@@ -47,7 +49,7 @@ async def test_ids_recorded_under_a_finer_regime_go_to_their_own_buckets_and_are
 
 
 async def test_a_finer_regime_after_a_coarse_one_keeps_each_id_where_its_regime_puts_it(broker: RedisBroker) -> None:
-    view = await _view(broker)
+    view = await _view(broker, layout="hash")
     t0 = (now_ms() // INBOX_SLOT_MS) * INBOX_SLOT_MS + 2000
     meta = f"{view.keys.inbox}:{inbox_slot(t0)}"
     await broker.redis.hset(meta, mapping={"r": f"0:0,{t0 + 3}:-2", "n": 0, "h": 0, "f": t0})
@@ -68,19 +70,23 @@ async def _bytes_per_id(broker: RedisBroker, inbox: str, ids: int) -> float:
     return used / ids
 
 
-async def test_once_enabled_a_burst_is_recorded_in_buckets_finer_than_a_millisecond(broker: RedisBroker) -> None:
+@pytest.mark.parametrize("flat", ["0", "1"])
+async def test_once_enabled_a_burst_is_recorded_in_buckets_finer_than_a_millisecond(
+    broker: RedisBroker, flat: str
+) -> None:
     """With ``fine = 1`` in the inbox's info (every worker reads such buckets), the ids of a burst
     (500 in one ms) are spread over buckets of about 64, each in the compact encoding, and found;
     ids that come slowly afterwards go back to buckets of several milliseconds."""
-    view = await _view(broker)
-    await broker.redis.hset(f"{view.keys.inbox}:info", "fine", "1")
+    view = await _view(broker, layout="hash")
+    await broker.redis.hset(f"{view.keys.inbox}:info", mapping={"fine": "1", "flat": flat})
+    kind, mark = ("a", ":a") if flat == "1" else ("b", "")
     t0 = (now_ms() // INBOX_SLOT_MS) * INBOX_SLOT_MS + 3000
     meta = f"{view.keys.inbox}:{inbox_slot(t0)}"
     burst = [uuid7_at(t0 + i // 500) for i in range(2000)]  # 4 ms of 500 ids each
     for i in range(0, len(burst), 500):
         await record(broker, view, burst[i : i + 500])
-    assert await broker.redis.hget(meta, "r") == b"0:-3"
-    sizes = [await broker.redis.hlen(k) async for k in broker.redis.scan_iter(f"{view.keys.inbox}:b:*")]
+    assert await broker.redis.hget(meta, "r") == f"0:-3{mark}".encode()
+    sizes = [await bucket_size(broker, k) async for k in broker.redis.scan_iter(f"{view.keys.inbox}:{kind}:*")]
     assert len(sizes) == 32 and max(sizes) <= 128, sizes  # 8 per ms, none past the compact size
     assert await _bytes_per_id(broker, view.keys.inbox, len(burst)) <= 32
     assert await claim(broker, view, burst) == [1] * len(burst)
@@ -93,11 +99,24 @@ async def test_once_enabled_a_burst_is_recorded_in_buckets_finer_than_a_millisec
     assert await _bytes_per_id(broker, view.keys.inbox, len(burst) + len(slow)) <= 32
 
 
-async def test_the_setting_turns_them_on_for_the_groups_a_process_subscribes(
+async def test_the_settings_turn_them_on_and_off_for_the_groups_a_process_subscribes(
     broker: RedisBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    off = await _view(broker, "fine.off")
-    assert await broker.redis.hget(f"{off.keys.inbox}:info", "fine") is None  # the default: off
+    """Off by default (workers of earlier releases cannot read such buckets); ``1`` marks the
+    groups a process subscribes, ``0`` turns them off again, unset leaves a group as it is."""
+
+    async def info(view: GroupPartition) -> tuple[bytes | None, bytes | None]:
+        got = await broker.redis.hmget(f"{view.keys.inbox}:info", "fine", "flat")
+        return got[0], got[1]
+
+    assert await info(await _view(broker, "fine.off")) == (None, None)  # the default: off
     monkeypatch.setenv(INBOX_FINE_ENV, "1")
-    on = await _view(broker, "fine.on")
-    assert await broker.redis.hget(f"{on.keys.inbox}:info", "fine") == b"1"
+    assert await info(await _view(broker, "fine.on")) == (b"1", None)
+    monkeypatch.setenv(INBOX_FLAT_ENV, "yes")
+    assert await info(await _view(broker, "fine.on")) == (b"1", b"1")
+    monkeypatch.delenv(INBOX_FINE_ENV)
+    monkeypatch.delenv(INBOX_FLAT_ENV)
+    assert await info(await _view(broker, "fine.on")) == (b"1", b"1")  # unset: left as it is
+    monkeypatch.setenv(INBOX_FINE_ENV, "0")
+    monkeypatch.setenv(INBOX_FLAT_ENV, "off")
+    assert await info(await _view(broker, "fine.on")) == (b"0", b"0")

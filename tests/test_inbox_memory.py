@@ -37,10 +37,24 @@ def uuid7_at(ms: int) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-async def _view(broker: RedisBroker, name: str = "mem.q") -> GroupPartition:
+async def _view(broker: RedisBroker, name: str = "mem.q", layout: str = "hash") -> GroupPartition:
+    """A group's view; its inbox in the default layout (hash buckets of a millisecond or more), or
+    with ``layout="flat"`` as ``FRAMEWORK_INBOX_FLAT_BUCKETS=1`` and ``FINE_BUCKETS=1`` leave it."""
     spec = await broker.declare(DestinationSpec(name, "command"))
     [view] = await broker.subscribe(spec, "g")
+    if layout == "flat":
+        await broker.redis.hset(f"{view.keys.inbox}:info", mapping={"fine": "1", "flat": "1"})
     return view
+
+
+LAYOUTS = pytest.mark.parametrize("layout", ["hash", "flat"])
+
+
+async def bucket_size(broker: RedisBroker, key: str | bytes) -> int:
+    """The ids a bucket holds: a hash's fields, a flat bucket's 13-byte fields."""
+    if await broker.redis.type(key) == b"string":
+        return int(await broker.redis.strlen(key)) // 13
+    return int(await broker.redis.hlen(key))
 
 
 async def record(broker: RedisBroker, view: GroupPartition, ids: list[str]) -> None:
@@ -107,8 +121,9 @@ def test_a_batch_of_ids_gives_the_records_each_id_gives_alone() -> None:
     assert inbox_records(own) == b"".join(compact_id(i) for i in own)
 
 
-async def test_a_remembered_id_costs_at_most_32_bytes_in_compact_buckets(broker: RedisBroker) -> None:
-    view = await _view(broker)
+@LAYOUTS
+async def test_a_remembered_id_costs_at_most_32_bytes_in_compact_buckets(broker: RedisBroker, layout: str) -> None:
+    view = await _view(broker, layout=layout)
     t = now_ms() // INBOX_SLOT_MS * INBOX_SLOT_MS
     n = 20_000
     # the slot before had as many ids: level 0 is sized from it (the steady state)
@@ -120,20 +135,26 @@ async def test_a_remembered_id_costs_at_most_32_bytes_in_compact_buckets(broker:
     for key in keys:
         if key.endswith(b":k"):  # the slot's list of its buckets (a set), a few bytes per bucket
             assert await broker.redis.type(key) == b"set"
+        elif b":a:" in key:  # a flat bucket: a string of 13-byte fields
+            assert layout == "flat" and await broker.redis.type(key) == b"string"
+            assert 0 < await broker.redis.strlen(key) < 128 * 13 and await broker.redis.strlen(key) % 13 == 0
         else:
             assert await broker.redis.object("encoding", key) == b"listpack"
             assert await broker.redis.hlen(key) < 128
         used += int(await broker.redis.memory_usage(key, samples=0)) + 56  # + keyspace and expiry entries
     assert used / n <= 32, f"{used / n:.1f} bytes per id"
     assert used / n <= INBOX_BYTES_PER_ID
+    if layout == "flat":  # 13 per id, a share of each key's, and the room an APPEND leaves for the next
+        assert used / n <= 20, f"{used / n:.1f} bytes per id"
     assert await claim(broker, view, ids[:500] + ids[-500:]) == [1] * 1000
     assert await claim(broker, view, [uuid7_at(t + 5) for _ in range(200)]) == [0] * 200
 
 
+@LAYOUTS
 async def test_a_rate_the_slot_was_not_sized_for_starts_smaller_buckets_and_every_id_is_found(
-    broker: RedisBroker,
+    broker: RedisBroker, layout: str
 ) -> None:
-    view = await _view(broker)
+    view = await _view(broker, layout=layout)
     t = now_ms() // INBOX_SLOT_MS * INBOX_SLOT_MS + 1000
     await broker.redis.hset(f"{view.keys.inbox}:{inbox_slot(t - INBOX_SLOT_MS)}", "n", 100)  # a quiet slot before
     ids = [uuid7_at(t + i // 5) for i in range(5_000)]  # then 5 ids per ms, acked 10 at a time
@@ -145,8 +166,9 @@ async def test_a_rate_the_slot_was_not_sized_for_starts_smaller_buckets_and_ever
     assert len(regimes) >= 2, regimes  # sized for the quiet slot (one bucket), then much smaller ones
     assert await broker.redis.hget(meta, "n") == b"5000"
     buckets = [f"{view.keys.inbox}:{k.decode()}" for k in await broker.redis.smembers(f"{meta}:k")]
-    assert buckets and all(k.startswith(f"{view.keys.inbox}:b:") for k in buckets)
-    sizes = [await broker.redis.hlen(k) for k in buckets]
+    kind = ":b:" if layout == "hash" else ":a:"
+    assert buckets and all(k.startswith(f"{view.keys.inbox}{kind}") for k in buckets)
+    sizes = [await bucket_size(broker, k) for k in buckets]
     assert sum(sizes) == 5_000
     compact = sum(n for n in sizes if n <= 128)  # hash-max-listpack-entries' default
     assert compact >= 4_700, sizes  # only the bucket that overflowed before the switch is large
@@ -155,12 +177,15 @@ async def test_a_rate_the_slot_was_not_sized_for_starts_smaller_buckets_and_ever
     assert await claim(broker, view, [uuid7_at(t + 3) for _ in range(100)]) == [0] * 100
 
 
-async def test_ids_of_a_burst_after_a_quiet_spell_are_found_where_they_were_written(broker: RedisBroker) -> None:
+@LAYOUTS
+async def test_ids_of_a_burst_after_a_quiet_spell_are_found_where_they_were_written(
+    broker: RedisBroker, layout: str
+) -> None:
     """A quiet spell starts longer buckets; a burst right after overflows one and asks for the span
     of before: that drops the longer span no id was recorded in yet. The burst's ids must be
     written under the span they are looked up with (before the fix: written in the longer span's
     bucket, never found again: each a duplicate that would run again)."""
-    view = await _view(broker)
+    view = await _view(broker, layout=layout)
     t = now_ms() // INBOX_SLOT_MS * INBOX_SLOT_MS - INBOX_SLOT_MS + 1000  # a slot of id time ahead
     await broker.redis.hset(f"{view.keys.inbox}:{inbox_slot(t - INBOX_SLOT_MS)}", "n", 64 * INBOX_SLOT_MS)
     await record(broker, view, [uuid7_at(t)])  # 64 ids/ms before: 1 ms buckets; alone here: longer ones
@@ -169,7 +194,11 @@ async def test_ids_of_a_burst_after_a_quiet_spell_are_found_where_they_were_writ
     burst = [uuid7_at(t + 10 + i // 70) for i in range(210)]  # 70 ids/ms: back to 1 ms buckets
     await record(broker, view, burst)
     assert await claim(broker, view, burst) == [1] * len(burst)
-    assert await broker.redis.hget(meta, "r") == b"0:0"
+    if layout == "hash":
+        assert await broker.redis.hget(meta, "r") == b"0:0"
+    else:  # the longer span dropped as well; 70 ids per ms split each ms in two (S = -1)
+        regimes = (await broker.redis.hget(meta, "r")).split(b",")
+        assert all(int(r.split(b":")[1]) <= 0 for r in regimes), regimes
 
 
 async def test_acks_out_of_id_order_after_a_burst_keep_buckets_compact(broker: RedisBroker) -> None:
@@ -210,23 +239,24 @@ async def test_buckets_expire_whole_after_the_window(broker: RedisBroker) -> Non
     ttls = {k: await broker.redis.pttl(k) for k in keys if not k.endswith(b":info")}
     # buckets: the window + a margin (a quarter of it); the slot's keys, which say where the
     # buckets are, a margin more
-    assert ttls and all(0 < t <= (500 if b":b:" in k else 600) for k, t in ttls.items())
+    assert ttls and all(0 < t <= (500 if b":b:" in k or b":a:" in k else 600) for k, t in ttls.items())
     await anyio.sleep(0.8)
     assert await claim(broker, view, [first]) == [0]  # forgotten: the buckets expired
     assert [k for k in await bucket_keys(broker, view) if not k.endswith(b":info")] == []
 
 
-async def test_an_id_recorded_between_expiry_writes_is_kept_the_window(broker: RedisBroker) -> None:
+@LAYOUTS
+async def test_an_id_recorded_between_expiry_writes_is_kept_the_window(broker: RedisBroker, layout: str) -> None:
     """A bucket's expiry is written when less than the window is left, not on every record (a
     write the AOF and replicas take on every ack); an id recorded in between is still kept at
     least the window: with the expiry written only when the bucket is made, the second id below
     would be forgotten 300 ms early."""
-    view = await _view(broker)
+    view = await _view(broker, layout=layout)
     t = now_ms()
     a, x, b = uuid7_at(t), uuid7_at(t), uuid7_at(t)  # one bucket
     assert await claim(broker, view, [a, x, b], window_ms=2000) == [0, 0, 0]
     await record(broker, view, [a])
-    [bucket] = [k for k in await bucket_keys(broker, view) if b":b:" in k]
+    [bucket] = [k for k in await bucket_keys(broker, view) if b":b:" in k or b":a:" in k]
     assert 2000 < await broker.redis.pttl(bucket) <= 2500  # the window + its margin (a quarter)
     await anyio.sleep(0.1)
     await record(broker, view, [x])  # over 2 s left: the expiry is not written again

@@ -18,13 +18,17 @@ MULTI that touch a stream and its group keys stay on one Cluster node::
                                                        handler until -score ms; score >= 0 processed at (ms,
                                                        final) for ids that are not UUIDv7/v8, and records
                                                        written before the buckets below (read until trimmed)
-    <ns>:{<dest>:<p>}:g:<group>:inbox:info     hash    window = the group's dedup window, ms
+    <ns>:{<dest>:<p>}:g:<group>:inbox:info     hash    window = the group's dedup window, ms; fine, flat = 1:
+                                                       the layouts its writers may use (inbox_layout_fields)
     <ns>:{<dest>:<p>}:g:<group>:inbox:<slot>   hash    r = the slot's bucket spans, n = ids recorded,
                                                        h = highest id time recorded
     <ns>:{<dest>:<p>}:g:<group>:inbox:<slot>:k set     the slot's bucket keys
     <ns>:{<dest>:<p>}:g:<group>:inbox:b:<S>:<t>
                                                hash    processed UUIDv7/v8 ids whose time >> S is t (hex):
                                                        field = id bytes 4..16 (13 bytes), value 1
+    <ns>:{<dest>:<p>}:g:<group>:inbox:a:<S>:<t>
+                                               string  the same, flat: the 13-byte fields one after another
+                                                       (groups whose inbox:info says flat = 1)
     <ns>:{<dest>:<p>}:g:<group>:attempts       hash    id -> attempts started on redeliveries (crash loops)
     <ns>:{<dest>:<p>}:g:<group>:lease          hash    the partition's owner in the group (lease.lua): owner =
                                                        instance ('' when released), token = fencing token (raised
@@ -94,12 +98,24 @@ INBOX_HASHED = 1
 
 
 INBOX_FINE_ENV = "FRAMEWORK_INBOX_FINE_BUCKETS"
+INBOX_FLAT_ENV = "FRAMEWORK_INBOX_FLAT_BUCKETS"
 
 
-def inbox_fine_buckets() -> bool:
-    """Whether ``$FRAMEWORK_INBOX_FINE_BUCKETS`` turns on buckets finer than a millisecond for the
-    groups this process subscribes (``1``/``true``/``yes``/``on``; anything else, or unset: off)."""
-    return os.environ.get(INBOX_FINE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+def inbox_layout_fields() -> dict[str, str]:
+    """The ``<inbox>:info`` fields a subscribe writes: ``fine`` (buckets finer than a millisecond for
+    bursts) and ``flat`` (buckets kept as strings of 13-byte fields, ``broker/redis/lua/inbox_store.lua``),
+    ``"1"`` where ``$FRAMEWORK_INBOX_FINE_BUCKETS`` / ``$FRAMEWORK_INBOX_FLAT_BUCKETS`` say on
+    (``1``/``true``/``yes``/``on``), ``"0"`` where they say off (``0``/``false``/``no``/``off``); a
+    group is left as it is where they are unset. Every worker of this release reads both layouts;
+    workers of earlier releases cannot, so both stay off until the operator turns them on."""
+    fields: dict[str, str] = {}
+    for field, env in (("fine", INBOX_FINE_ENV), ("flat", INBOX_FLAT_ENV)):
+        raw = os.environ.get(env, "").strip().lower()
+        if raw in ("1", "true", "yes", "on"):
+            fields[field] = "1"
+        elif raw in ("0", "false", "no", "off"):
+            fields[field] = "0"
+    return fields
 
 
 def compact_id(message_id: str) -> bytes:

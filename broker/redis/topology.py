@@ -10,7 +10,7 @@ from redis.exceptions import ResponseError
 from broker.errors import ConfigurationError
 from broker.protocol import GroupPartition, Start
 from broker.redis.core import RedisCore, text
-from broker.redis.keys import inbox_fine_buckets
+from broker.redis.keys import inbox_layout_fields
 from broker.routing import Routing
 from broker.topology import DestinationSpec, validate_name
 
@@ -89,7 +89,8 @@ class Topology(RedisCore, Routing):
                     if "BUSYGROUP" not in str(exc):
                         raise
         await self.redis.hsetnx(self.keyspace.subscriptions, f"{spec.name}|{group}", orjson.dumps({"start": start}))
-        if inbox_fine_buckets():  # every worker of the group reads such buckets: the writers may start them
+        layout = inbox_layout_fields()  # the bucket layouts the operator turned on or off (keys.py)
+        if layout:
             for view in views:
-                await self.redis.hset(f"{view.keys.inbox}:info", "fine", "1")
+                await self.redis.hset(f"{view.keys.inbox}:info", mapping=layout)
         return views

@@ -33,7 +33,7 @@ local function inbox_meta(base, slot)
     local v = redis.call('HMGET', key, 'r', 'n', 'h', 'f')
     if v[1] then
       local r = {}
-      for t, s in string.gmatch(v[1], '(%d+):(%-?%d+)') do r[#r + 1] = {tonumber(t), tonumber(s)} end
+      for t, s, a in string.gmatch(v[1], '(%d+):(%-?%d+)(:?a?)') do r[#r + 1] = {tonumber(t), tonumber(s), a == ':a'} end
       m = {key = key, r = r, n = tonumber(v[2]) or 0, h = tonumber(v[3]) or 0, f = tonumber(v[4])}
     else
       m = false
@@ -51,35 +51,48 @@ local function inbox_regime_at(m, t)
   return i
 end
 
--- The bucket of id time t under the slot's regimes: its key, its shift S, and the span [lo, hi)
--- of id times that fall in it (the bucket's own span cut by the regimes' bounds). A regime with
--- S < 0 splits each millisecond into 2^-S buckets, 'b:<S>:<t as hex>.<j>', an id going to the
--- one its j says: the low -S bits of sub, the 8th byte of its record (the low byte of the UUID's
--- rand_a); such a bucket's span is its millisecond, and it holds only the ids of that j. Writers
--- start such regimes only once <inbox>:info says fine = 1 (inbox_store.lua): workers of earlier
+-- The bucket of id time t under the slot's regimes: its key, its shift S, the span [lo, hi) of
+-- id times that fall in it (the bucket's own span cut by the regimes' bounds), and whether it is
+-- flat. A regime with S < 0 splits each millisecond into 2^-S buckets, '<b|a>:<S>:<t as hex>.<j>',
+-- an id going to the one its j says: the low -S bits of sub, the 8th byte of its record (the low
+-- byte of the UUID's rand_a); such a bucket's span is its millisecond, and it holds only the ids
+-- of that j. A regime written 'T:S:a' keeps its ids in flat buckets, 'a:<S>:...': a string of
+-- 13-byte fields, appended to (inbox_store.lua), where 'b:' buckets are hashes. Writers start
+-- finer or flat regimes only once <inbox>:info says fine = 1 or flat = 1: workers of earlier
 -- releases cannot read them.
-local function inbox_fine_prefix(base, s, t)  -- the key of a bucket of millisecond t, but its j
-  return base .. ':b:' .. s .. ':' .. string.format('%x', t) .. '.'
+local function inbox_fine_prefix(base, s, t, flat)  -- the key of a bucket of millisecond t, but its j
+  return base .. (flat and ':a:' or ':b:') .. s .. ':' .. string.format('%x', t) .. '.'
 end
 
 local function inbox_bucket(base, m, t, sub)
   local r = m.r
   local i = inbox_regime_at(m, t)
-  local s = r[i][2]
+  local s, flat = r[i][2], r[i][3]
   if s < 0 then
-    return inbox_fine_prefix(base, s, t) .. (sub % 2 ^ -s), s, t, t + 1
+    return inbox_fine_prefix(base, s, t, flat) .. (sub % 2 ^ -s), s, t, t + 1, flat
   end
   local unit = 2 ^ s
   local k = math.floor(t / unit)
   local lo, hi = k * unit, (k + 1) * unit
   if r[i][1] > lo then lo = r[i][1] end
   if r[i + 1] and r[i + 1][1] < hi then hi = r[i + 1][1] end
-  return base .. ':b:' .. s .. ':' .. string.format('%x', k), s, lo, hi
+  return base .. (flat and ':a:' or ':b:') .. s .. ':' .. string.format('%x', k), s, lo, hi, flat
+end
+
+-- Whether the flat bucket string b holds the 13-byte field f (at a field's boundary: a match that
+-- straddles two fields is not one).
+local function inbox_flat_has(b, f)
+  local p = string.find(b, f, 1, true)
+  while p do
+    if (p - 1) % 13 == 0 then return true end
+    p = string.find(b, f, p + 1, true)
+  end
+  return false
 end
 
 -- Which of the count ids whose records recs holds are recorded as processed: a table of booleans
 -- 1..count (false for zero records). One HMGET of the info of each slot touched and one HMGET
--- per bucket. lo, hi (optional): the lowest and highest id time of the records, given only when
+-- (a flat bucket: one GET) per bucket. lo, hi (optional): the lowest and highest id time of the records, given only when
 -- every record is a UUIDv7/v8's; when both fall in one slot whose ids recorded are all older
 -- than lo (its field h), none is recorded and the records are not read one by one.
 local function inbox_seen_many(base, recs, count, lo_t, hi_t)
@@ -105,15 +118,15 @@ local function inbox_seen_many(base, recs, count, lo_t, hi_t)
         local slot = math.floor(t / INBOX_SLOT)
         local m = inbox_meta(base, slot)
         if m then
-          local key, s
+          local key, s, flat
           if not fine then sub = string.byte(recs, o + 8) end  -- (read above when it was)
-          key, s, lo, hi = inbox_bucket(base, m, t, sub)
+          key, s, lo, hi, flat = inbox_bucket(base, m, t, sub)
           fine = s < 0
           if fine then bsub = 2 ^ -s; lo_sub = sub % bsub end
           top = m.h
           g = groups[key]
           if not g then
-            g = {key = key, fields = {}, idx = {}, n = 0}
+            g = {key = key, fields = {}, idx = {}, n = 0, flat = flat}
             groups[key] = g
             order[#order + 1] = g
           end
@@ -134,7 +147,15 @@ local function inbox_seen_many(base, recs, count, lo_t, hi_t)
     end
   end
   for _, grp in ipairs(order) do
-    for from = 1, grp.n, 1000 do
+    if grp.flat and grp.n > 0 then
+      local b = redis.call('GET', grp.key)
+      if b then
+        for j = 1, grp.n do
+          if inbox_flat_has(b, grp.fields[j]) then seen[grp.idx[j]] = true end
+        end
+      end
+    end
+    for from = 1, grp.flat and 0 or grp.n, 1000 do
       local to = math.min(from + 999, grp.n)
       local got = redis.call('HMGET', grp.key, unpack(grp.fields, from, to))
       for j = 1, #got do

@@ -8,10 +8,12 @@
 -- under hash-max-listpack-entries = 128):
 --
 --   <inbox>:info             hash  window = the group's dedup window, ms (set by inbox_claim)
---   <inbox>:<slot>           hash  r = the slot's regimes "T:S,T:S,..." (from id time T on, a bucket
---                                  spans 2^S ms), n = ids recorded, h / f = highest / lowest id time
+--   <inbox>:<slot>           hash  r = the slot's regimes "T:S,T:S:a,..." (from id time T on, a bucket
+--                                  spans 2^S ms; ':a': its buckets are flat), n = ids recorded,
+--                                  h / f = highest / lowest id time
 --   <inbox>:<slot>:k         set   the slot's buckets, as 'b:<S>:<t >> S>' (to delete without SCAN)
 --   <inbox>:b:<S>:<t >> S>   hash  field = id bytes 4..16 (13 bytes), value 1
+--   <inbox>:a:<S>:<t >> S>   string  a flat bucket: the same 13-byte fields, one after another
 --
 -- <slot> is the id's own millisecond time >> 20 (17.5-minute slots) as 7 hex digits. Ids close in
 -- time share a bucket, and message ids are time-ordered, so a fetched batch of 500 ids touches a
@@ -35,8 +37,17 @@
 -- going to the one its j says (the low -S bits of its record's 8th byte: inbox_read.lua's
 -- inbox_bucket). A burst (hundreds of ids in one ms) then fills buckets of about INBOX_FILL, not
 -- one 1-ms listpack that every HSET scans (its cost grows with the square of the burst).
--- Only commands of the documented worker ACL are used (HGET, HMGET, HSET, HLEN, SADD, PEXPIRE,
--- PTTL, TIME).
+-- Flat buckets: once <inbox>:info says flat = 1 (every worker of the group reads them; set for a
+-- group when it is first subscribed, and by $FRAMEWORK_INBOX_FLAT_BUCKETS), new regimes keep
+-- their ids in strings of 13-byte fields, one APPEND per bucket and call: the server does no work
+-- per id (an HSET field costs a look-up along the listpack, a value and an argument of its own:
+-- callgrind, an ack of 500 ids 23.6k -> 16.8k instructions per id), and an id takes 13 bytes. A
+-- lookup GETs the bucket and finds the field in it (at a 13-byte boundary). Ids above every id the
+-- slot recorded before (field h) are appended as they come; a bucket that may already hold some
+-- of a call's ids (an ack repeated after a lost reply, acks out of id order) is read first, and
+-- only the ids it lacks are appended.
+-- Only commands of the documented worker ACL are used (HGET, HMGET, HSET, HLEN, GET, APPEND,
+-- STRLEN, SADD, PEXPIRE, PTTL, TIME).
 --
 -- Any other id is kept by its hash (inbox_hashed.lua, included here): its record's 7th byte is 1.
 --#include inbox_read
@@ -92,18 +103,19 @@ local function inbox_record_all(recs, count)
   inbox_plo, inbox_phi = lo, hi
 end
 
--- Start a regime with shift s for ids above every id recorded so far (m.h): ids already written
--- keep the span they were written with (a bucket's key names its span, so old and new never mix).
--- Returns true when the regimes changed: ids grouped by the old ones must be grouped again (a
--- regime dropped for the one before it changes them as much as a new one does).
-local function inbox_regime(m, s, old)
-  if s == old or #m.r >= INBOX_REGIMES then return false end
+-- Start a regime with shift s (flat buckets or not: the slot's m.flat) for ids above every id
+-- recorded so far (m.h): ids already written keep the bucket they were written to (a bucket's key
+-- names its span and kind, so old and new never mix). Returns true when the regimes changed: ids
+-- grouped by the old ones must be grouped again (a regime dropped for the one before it changes
+-- them as much as a new one does).
+local function inbox_regime(m, s, old, old_flat)
+  if (s == old and m.flat == old_flat) or #m.r >= INBOX_REGIMES then return false end
   local r = m.r
   local t = m.h + 1
   local changed = false
   if r[#r][1] >= t then r[#r] = nil; m.dirty = true; changed = true end  -- a regime no id was recorded in yet
-  if r[#r] and r[#r][2] == s then return changed end
-  r[#r + 1] = {t, s}
+  if r[#r] and r[#r][2] == s and r[#r][3] == m.flat then return changed end
+  r[#r + 1] = {t, s, m.flat}
   m.dirty = true
   return true
 end
@@ -114,9 +126,9 @@ local function inbox_slot_rate(m, extra, lo, hi)
   return (m.n + extra) / (math.max(m.h, hi) - f + 1)
 end
 
--- A bucket of this call's grouping (key, shift s, first id time t), listed in order.
-local function inbox_new_bucket(buckets, border, key, s, t)
-  local b = {key = key, args = {}, c = 0, s = s, lo = t, t = t}
+-- A bucket of this call's grouping (key, shift s, first id time t, flat or a hash), listed in order.
+local function inbox_new_bucket(buckets, border, key, s, t, flat)
+  local b = {key = key, args = {}, c = 0, s = s, lo = t, t = t, flat = flat}
   buckets[key] = b
   border[#border + 1] = b
   return b
@@ -134,9 +146,10 @@ local function inbox_flush(base)
   if #pt == 0 then return end
   local plo, phi = inbox_plo, inbox_phi
   inbox_pt, inbox_pf, inbox_plo, inbox_phi = {}, {}, math.huge, -1
-  local info = redis.call('HMGET', base .. ':info', 'window', 'fine')
+  local info = redis.call('HMGET', base .. ':info', 'window', 'fine', 'flat')
   local window = tonumber(info[1]) or INBOX_DEFAULT_WINDOW
   local min_s = info[2] == '1' and INBOX_FINE or 0
+  local flat = info[3] == '1'
   local margin = math.min(INBOX_MARGIN, math.floor(window / 4))
   local slots, sorder = {}, {}
   local slo, shi, g = 0, -1, nil  -- the span of the previous id's slot, and its group
@@ -175,9 +188,12 @@ local function inbox_flush(base)
       if g.n >= 16 then rate = math.max(rate, g.n / (g.hi - g.lo + 1)) end
       local s = INBOX_DEFAULT_SHIFT
       if rate > 0 then s = inbox_shift_for(rate, min_s) end
-      m = {key = base .. ':' .. string.format('%07x', slot), r = {{0, s}}, n = 0, h = 0, f = g.lo, dirty = true}
+      m = {key = base .. ':' .. string.format('%07x', slot), r = {{0, s, flat}}, n = 0, h = 0, f = g.lo, dirty = true}
       inbox_metas[slot] = m
     end
+    m.flat = flat  -- the kind of bucket new regimes get
+    local last = m.r[#m.r]
+    if last[3] ~= flat then inbox_regime(m, last[2], last[2], last[3]) end  -- (flat turned on or off)
     -- Group the ids by bucket; a bucket this call alone would overflow starts a regime of smaller
     -- buckets above every id recorded before (m.h), and the ids are grouped again.
     local buckets, border
@@ -190,18 +206,18 @@ local function inbox_flush(base)
       local lo, hi, b = 0, -1, nil  -- the span of the previous id's bucket, and the bucket
       -- In a regime finer than a ms (S < 0), the ids of one ms spread over 2^-S buckets by their j
       -- (the low bits of the record's 8th byte, a field's 5th): that ms's buckets by j.
-      local fine, bsub, jt, prefix, bs = false, 1, nil, nil, 0
+      local fine, bsub, jt, prefix, bs, pflat = false, 1, nil, nil, 0, false
       for i = 1, g.n do
         local t = ts[i]
         if t ~= prev_t then runs = runs + 1; prev_t = t end
         if t < lo or t >= hi then
-          local key
+          local key, bflat
           local sub = string.byte(fs[i], 5)
-          key, bs, lo, hi = inbox_bucket(base, m, t, sub)
+          key, bs, lo, hi, bflat = inbox_bucket(base, m, t, sub)
           fine = bs < 0
-          b = buckets[key] or inbox_new_bucket(buckets, border, key, bs, t)
+          b = buckets[key] or inbox_new_bucket(buckets, border, key, bs, t, bflat)
           if fine then
-            bsub, jt, prefix = 2 ^ -bs, {}, inbox_fine_prefix(base, bs, t)
+            bsub, jt, prefix, pflat = 2 ^ -bs, {}, inbox_fine_prefix(base, bs, t, bflat), bflat
             jt[sub % bsub] = b
           end
         elseif fine then
@@ -209,52 +225,72 @@ local function inbox_flush(base)
           b = jt[j]
           if not b then
             local key = prefix .. j
-            b = buckets[key] or inbox_new_bucket(buckets, border, key, bs, t)
+            b = buckets[key] or inbox_new_bucket(buckets, border, key, bs, t, pflat)
             jt[j] = b
           end
         end
-        local c = b.c
-        b.args[c + 1] = fs[i]
-        b.args[c + 2] = '1'
-        b.c = c + 2
+        local c = b.c + 1
+        b.args[c] = fs[i]  -- (a hash bucket's values, '1', are added when it is written)
+        b.c = c
         if t > b.t then b.t = t elseif t < b.lo then b.lo = t end
       end
       local split = false
       for _, b in ipairs(border) do
-        local count = b.c / 2
+        local count = b.c
         if attempt < 5 and count > INBOX_MAX and b.s > min_s then
           local rate = math.max(count / 2 ^ b.s, count / (b.t - b.lo + 1))
-          if inbox_regime(m, inbox_shift_for(rate, min_s), b.s) then split = true; break end
+          if inbox_regime(m, inbox_shift_for(rate, min_s), b.s, b.flat) then split = true; break end
         end
       end
       if not split then break end
     end
+    local h0 = m.h  -- ids above it were never recorded in this slot
     if g.hi > m.h then m.h = g.hi end  -- regimes started below are above every id of this call
     local added_all = 0
     for _, b in ipairs(border) do
       local key = b.key
-      local added = 0
-      for from = 1, b.c, 2000 do
-        added = added + redis.call('HSET', key, unpack(b.args, from, math.min(from + 1999, b.c)))
+      local added, len = 0, 0
+      if b.flat then
+        local fields = b.args
+        if b.lo <= h0 then  -- some may be recorded already (an ack repeated): append only the others
+          local have = redis.call('GET', key) or ''
+          local seen, keep = {}, {}
+          for j = 1, b.c do
+            local f = fields[j]
+            if not seen[f] and not inbox_flat_has(have, f) then keep[#keep + 1] = f end
+            seen[f] = true
+          end
+          fields = keep
+        end
+        added = #fields
+        if added > 0 then
+          len = redis.call('APPEND', key, table.concat(fields)) / 13
+        end
+      else
+        local args = {}
+        for j = 1, b.c do args[2 * j - 1] = b.args[j]; args[2 * j] = '1' end
+        for from = 1, 2 * b.c, 2000 do
+          added = added + redis.call('HSET', key, unpack(args, from, math.min(from + 1999, 2 * b.c)))
+        end
       end
       if redis.call('PTTL', key) < window then redis.call('PEXPIRE', key, window + margin) end
       if added > 0 then
         added_all = added_all + added
-        local len = redis.call('HLEN', key)
+        if not b.flat then len = redis.call('HLEN', key) end
         if len == added then  -- new
           redis.call('SADD', m.key .. ':k', string.sub(key, #base + 2))
           m.grew = true
         end
         if len > INBOX_MAX and b.s > min_s then
           local rate = math.max(len / 2 ^ b.s, inbox_slot_rate(m, added_all, g.lo, g.hi))
-          inbox_regime(m, inbox_shift_for(rate, min_s), b.s)
+          inbox_regime(m, inbox_shift_for(rate, min_s), b.s, b.flat)
         elseif len == added and len < INBOX_SPARSE and b.s < 0 then
           -- A new, nearly empty bucket finer than a ms: coarser again if this call's ids came
           -- fewer per ms than the regime assumed, counted over the ms they fall in (not the
           -- slot's rate, nor the span of the call's ids: a backlog made in bursts of a few ms,
           -- sent over seconds, averages far below the density of its bursts)
           local s = inbox_shift_for(g.n / math.max(runs, 1), min_s)
-          if s > b.s then inbox_regime(m, s, b.s) end
+          if s > b.s then inbox_regime(m, s, b.s, b.flat) end
         elseif len == added and len < INBOX_SPARSE and b.s < 20 then
           -- a new, nearly empty bucket: if the one before it also stayed nearly empty, the rate
           -- is lower than the span assumed. The new span comes from the slot's rate so far, not
@@ -265,11 +301,12 @@ local function inbox_flush(base)
           local k = math.floor(b.t / unit) - 1
           local plen = INBOX_SPARSE
           if k * unit >= select(2, inbox_shift(m, b.t)) then  -- the bucket before, in the same regime
-            plen = redis.call('HLEN', base .. ':b:' .. b.s .. ':' .. string.format('%x', k))
+            local prev = base .. (b.flat and ':a:' or ':b:') .. b.s .. ':' .. string.format('%x', k)
+            plen = b.flat and redis.call('STRLEN', prev) / 13 or redis.call('HLEN', prev)
           end
           if plen < INBOX_SPARSE then
             local s = inbox_shift_for(inbox_slot_rate(m, added_all, g.lo, g.hi), min_s)
-            if s > b.s then inbox_regime(m, s, b.s) end
+            if s > b.s then inbox_regime(m, s, b.s, b.flat) end
           end
         end
       end
@@ -277,7 +314,7 @@ local function inbox_flush(base)
     m.n = m.n + added_all
     if m.dirty then
       local parts = {}
-      for i, r in ipairs(m.r) do parts[i] = string.format('%d:%d', r[1], r[2]) end
+      for i, r in ipairs(m.r) do parts[i] = string.format(r[3] and '%d:%d:a' or '%d:%d', r[1], r[2]) end
       if not m.f or g.lo < m.f then m.f = g.lo end
       redis.call('HSET', m.key, 'r', table.concat(parts, ','), 'n', m.n, 'h', string.format('%d', m.h),
         'f', string.format('%d', m.f))
