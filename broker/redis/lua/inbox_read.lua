@@ -92,9 +92,10 @@ end
 
 -- Which of the count ids whose records recs holds are recorded as processed: a table of booleans
 -- 1..count (false for zero records). One HMGET of the info of each slot touched and one HMGET
--- (a flat bucket: one GET) per bucket. lo, hi (optional): the lowest and highest id time of the records, given only when
--- every record is a UUIDv7/v8's; when both fall in one slot whose ids recorded are all older
--- than lo (its field h), none is recorded and the records are not read one by one.
+-- (a flat bucket: one GET) per bucket. lo, hi (optional): the lowest and highest id time of the
+-- records, given only when every record is a UUIDv7/v8's; when both fall in one slot whose ids
+-- recorded are all older than lo (its field h), none is recorded and the records are not read
+-- one by one.
 local function inbox_seen_many(base, recs, count, lo_t, hi_t)
   if lo_t and math.floor(lo_t / INBOX_SLOT) == math.floor(hi_t / INBOX_SLOT) then
     local m = inbox_meta(base, math.floor(lo_t / INBOX_SLOT))
