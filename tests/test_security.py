@@ -262,3 +262,32 @@ def test_a_missing_permission_is_one_line_naming_the_command_and_the_key_pattern
     out = run_cli("send", "--create", "q", "{}", env=_env(worker_env, no_xadd))
     assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "permission denied" in out.stderr and "(ACL)" in out.stderr
+
+
+@pytest.mark.anyio
+async def test_the_worker_rules_cover_every_inbox_layout(
+    acl_user: callable,  # type: ignore[valid-type]
+    namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Flat and fine buckets use GET, APPEND and STRLEN inside the ack script: the documented worker
+    rules must allow them, or a group that turns them on would fail every ack."""
+    from broker import DestinationSpec, connect, now_ms
+    from tests.test_inbox_memory import claim, record, uuid7_at
+
+    monkeypatch.setenv("FRAMEWORK_INBOX_FLAT_BUCKETS", "1")
+    monkeypatch.setenv("FRAMEWORK_INBOX_FINE_BUCKETS", "1")
+    broker = await connect(acl_user(WORKER_RULES), namespace=namespace)
+    try:
+        spec = await broker.declare(DestinationSpec("acl.flat", "command"))
+        [view] = await broker.subscribe(spec, "g")
+        t = now_ms() - 60_000
+        burst = [uuid7_at(t + i // 400) for i in range(800)]  # 400 per ms: finer buckets
+        await record(broker, view, burst)
+        sparse = [uuid7_at(t + 5_000 + 400 * i) for i in range(12)]  # nearly empty buckets, one after another
+        for message_id in sparse:
+            await record(broker, view, [message_id])
+        await record(broker, view, burst[:100])  # again: the bucket is read before anything is appended
+        assert await claim(broker, view, [*burst, *sparse, uuid7_at(t + 1)]) == [1] * 812 + [0]
+    finally:
+        await broker.close()
