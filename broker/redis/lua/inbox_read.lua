@@ -148,19 +148,20 @@ local function inbox_seen_many(base, recs, count, lo_t, hi_t)
     end
   end
   for _, grp in ipairs(order) do
-    if grp.flat and grp.n > 0 then
-      local b = redis.call('GET', grp.key)
+    if grp.flat then
+      local b = grp.n > 0 and redis.call('GET', grp.key)
       if b then
         for j = 1, grp.n do
           if inbox_flat_has(b, grp.fields[j]) then seen[grp.idx[j]] = true end
         end
       end
-    end
-    for from = 1, grp.flat and 0 or grp.n, 1000 do
-      local to = math.min(from + 999, grp.n)
-      local got = redis.call('HMGET', grp.key, unpack(grp.fields, from, to))
-      for j = 1, #got do
-        if got[j] then seen[grp.idx[from + j - 1]] = true end
+    else
+      for from = 1, grp.n, 1000 do
+        local to = math.min(from + 999, grp.n)
+        local got = redis.call('HMGET', grp.key, unpack(grp.fields, from, to))
+        for j = 1, #got do
+          if got[j] then seen[grp.idx[from + j - 1]] = true end
+        end
       end
     end
   end

@@ -229,9 +229,14 @@ local function inbox_flush(base)
             jt[j] = b
           end
         end
-        local c = b.c + 1
-        b.args[c] = fs[i]  -- (a hash bucket's values, '1', are added when it is written)
+        local c = b.c + 1  -- ids in b; b.args: their fields (flat), or field and value pairs (a hash)
         b.c = c
+        if b.flat then
+          b.args[c] = fs[i]
+        else
+          b.args[2 * c - 1] = fs[i]
+          b.args[2 * c] = '1'
+        end
         if t > b.t then b.t = t elseif t < b.lo then b.lo = t end
       end
       local split = false
@@ -267,10 +272,8 @@ local function inbox_flush(base)
           len = redis.call('APPEND', key, table.concat(fields)) / 13
         end
       else
-        local args = {}
-        for j = 1, b.c do args[2 * j - 1] = b.args[j]; args[2 * j] = '1' end
         for from = 1, 2 * b.c, 2000 do
-          added = added + redis.call('HSET', key, unpack(args, from, math.min(from + 1999, 2 * b.c)))
+          added = added + redis.call('HSET', key, unpack(b.args, from, math.min(from + 1999, 2 * b.c)))
         end
       end
       if redis.call('PTTL', key) < window then redis.call('PEXPIRE', key, window + margin) end
