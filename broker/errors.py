@@ -85,7 +85,7 @@ class PermissionDenied(BrokerError):
         if self.command:
             what = f"may not run {self.command} (keys ~{namespace}:*)"
         elif "script" in response:
-            what = f"may not run a command of a framework script (EVALSHA) on keys ~{namespace}:*"
+            what = f"may not run a command of a framework script (Lua) on keys ~{namespace}:*"
         else:
             what = f"may not access keys ~{namespace}:*"
         super().__init__(f"permission denied: the broker user {what} (ACL); see docs/operations.md#acl-rules")

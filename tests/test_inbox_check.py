@@ -95,3 +95,31 @@ async def test_redeliveries_mixed_with_first_deliveries_get_their_own_statuses(b
     # held[3] recorded: a duplicate; the redelivered held[1] takes its lease over; held[0], a first
     # delivery, meets a live lease; held[2] is new
     assert await broker.inbox_claim(view, mixed, 60_000) == [1, 0, 2, 0]
+
+
+async def test_the_leased_read_derives_every_ids_record_as_the_worker_does(broker: RedisBroker) -> None:
+    """intake.lua computes each read id's record in Lua (inbox_record_of); an id recorded from the
+    worker's records (broker.redis.keys.inbox_record) must be found by it, in every form an id
+    takes: lower and upper case UUIDv7s, v8, v4 (hashed), near-UUIDs and application ids."""
+    view = await _view(broker, "rec.q")
+    v7 = uuid7_at(now_ms() - 5_000)
+    v8 = v7[:14] + "8" + v7[15:]
+    forms = [
+        v7,
+        uuid7_at(now_ms() - 4_000).upper(),
+        v8,
+        "0193aabb-ccdd-4eef-8899-aabbccddeeff",
+        v7.replace("-", ""),
+        v7[:35] + "g",
+        " " + v7[1:],
+        "-" + v7[1:],
+        "order-17",
+        "ü-42",
+    ]
+    fresh = [uuid7_at(now_ms() - 3_000), "order-18"]
+    await record(broker, view, forms)
+    ids = [*forms, *fresh]
+    await broker.publish([Envelope(destination="rec.q", kind="command", type="C", body=b"{}", id=i) for i in ids])
+    read = await broker.read_leased(view, "c", 100, 0, lease_ms=60_000, window_ms=0)
+    assert [d.message_id for d in read] == ids
+    assert [d.inbox_status for d in read] == [1] * len(forms) + [0] * len(fresh)

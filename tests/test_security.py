@@ -279,6 +279,7 @@ async def test_the_worker_rules_cover_every_inbox_layout(
     monkeypatch.setenv("FRAMEWORK_INBOX_FINE_BUCKETS", "1")
     broker = await connect(acl_user(WORKER_RULES), namespace=namespace)
     try:
+        assert broker.scripts["ack"].functions  # the documented rules let the scripts run as functions
         spec = await broker.declare(DestinationSpec("acl.flat", "command"))
         [view] = await broker.subscribe(spec, "g")
         t = now_ms() - 60_000
@@ -291,3 +292,29 @@ async def test_the_worker_rules_cover_every_inbox_layout(
         assert await claim(broker, view, [*burst, *sparse, uuid7_at(t + 1)]) == [1] * 812 + [0]
     finally:
         await broker.close()
+
+
+@pytest.mark.anyio
+async def test_worker_rules_without_functions_run_the_scripts_by_evalsha(
+    acl_user: callable,  # type: ignore[valid-type]
+    namespace: str,
+) -> None:
+    """A user granted only EVALSHA (the rules of releases before functions) still runs every script:
+    the broker finds it may not FCALL or FUNCTION LOAD and falls back, with no error."""
+    from broker import DestinationSpec, connect, now_ms
+    from tests.test_inbox_memory import claim, record, uuid7_at
+
+    for rules in (
+        WORKER_RULES.replace(" +fcall +function|load", ""),
+        WORKER_RULES.replace(" +function|load", ""),  # may call, may not load
+    ):
+        broker = await connect(acl_user(rules), namespace=namespace)
+        try:
+            assert not broker.scripts["ack"].functions
+            spec = await broker.declare(DestinationSpec("acl.eval", "command"))
+            [view] = await broker.subscribe(spec, "g")
+            ids = [uuid7_at(now_ms() - 1_000 + i) for i in range(20)]
+            await record(broker, view, ids[:10])
+            assert await claim(broker, view, ids) == [1] * 10 + [0] * 10
+        finally:
+            await broker.close()

@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from redis.exceptions import NoScriptError
 
 from broker.envelope import now_ms
+from broker.redis.scripts import script_missing
 
 if TYPE_CHECKING:
     from broker.redis.scripts import Script
@@ -193,13 +193,13 @@ class CommitBatcher(Batcher):
             extra.update(dict.fromkeys(c.keys))
             args += c.part
         keys += extra
-        return ["EVALSHA", self.script.sha, len(keys), *keys, *args]
+        return self.script.command(keys, args)
 
     async def _run(self, channel: Channel, commands: list[list[Any]]) -> list[Any]:
         replies = await channel.execute_many(commands)
-        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-        if missing:  # the server lost its scripts (a restart without persistence, SCRIPT FLUSH)
-            await channel.execute("SCRIPT", "LOAD", self.script.source)
+        missing = [i for i, r in enumerate(replies) if script_missing(r)]
+        if missing:  # the server lost its scripts (a restart without persistence, SCRIPT or FUNCTION FLUSH)
+            await channel.execute(*self.script.load_command())
             for i, reply in zip(missing, await channel.execute_many([commands[i] for i in missing]), strict=True):
                 replies[i] = reply
         return replies

@@ -11,6 +11,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from broker.errors import BrokerUnavailable, PermissionDenied
 from broker.redis.broker import RedisBroker
+from broker.redis.scripts import functions_usable
 from broker.redis.wire import client_options, command_timeout_from_env
 from broker.urls import default_namespace, redact
 
@@ -108,4 +109,6 @@ async def connect_redis(
         )
         await cluster.initialize()
         return RedisBroker(cluster, namespace=ns, url=resolved, cluster=True, command_timeout=command_timeout)
-    return RedisBroker(client, namespace=ns, url=resolved, command_timeout=command_timeout)
+    # (a Cluster keeps EVALSHA: redis-py finds an FCALL's keys by asking the server, a round trip a call)
+    functions = await functions_usable(client)
+    return RedisBroker(client, namespace=ns, url=resolved, command_timeout=command_timeout, functions=functions)

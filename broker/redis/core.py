@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.codec import max_body_bytes as max_body_bytes_setting
 from broker.redis.batching import CommitBatcher, ReadBatcher
 from broker.redis.keys import KeySpace, PartitionKeys
-from broker.redis.scripts import Script, load_scripts
+from broker.redis.scripts import Script, load_scripts, script_missing
 from broker.redis.wire import DEFAULT_COMMAND_TIMEOUT, Channel
 from broker.topology import DestinationSpec
 
@@ -72,18 +72,20 @@ class RedisCore:
         cluster: bool = False,
         command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
         max_body_bytes: int | None = None,
+        functions: bool = False,
     ) -> None:
         """``command_timeout``: seconds a command on a :meth:`channel` may wait for its reply (a
         blocking read waits its BLOCK time on top); it should match the client's socket timeout.
         ``max_body_bytes``: largest body :meth:`publish` accepts and consumers read (default
-        ``$FRAMEWORK_MAX_BODY_BYTES``, else 1 MiB); larger stored ones decode as errors (dead-lettered)."""
+        ``$FRAMEWORK_MAX_BODY_BYTES``, else 1 MiB); larger stored ones decode as errors (dead-lettered).
+        ``functions``: the scripts run as functions (``FCALL``; :func:`broker.redis.scripts.functions_usable`)."""
         self.redis = client
         self.command_timeout = command_timeout
         self.max_body_bytes = max_body_bytes_setting(max_body_bytes)
         self.keyspace = KeySpace(namespace)
         self.url = url
         self.cluster = cluster
-        self.scripts: dict[str, Script] = load_scripts()
+        self.scripts: dict[str, Script] = load_scripts(functions=functions)
         # Registry cache: name -> stored spec. The one cache behind get_destination, route and
         # ensure_declared; tools that change the registry behind the broker's back clear it.
         self._specs: dict[str, DestinationSpec] = {}
@@ -174,7 +176,7 @@ class RedisCore:
             replies = await pipe.execute(raise_on_error=False)
             missing = []
             for i, reply in zip(todo, replies, strict=True):
-                if isinstance(reply, NoScriptError):
+                if script_missing(reply):
                     missing.append(i)
                 elif isinstance(reply, Exception):
                     raise reply
@@ -183,7 +185,7 @@ class RedisCore:
             if not missing:
                 return results
             for script in self.scripts.values():
-                await self.redis.script_load(script.source)
+                await script.load(self.redis)
             todo = missing
         raise RuntimeError("scripts could not be loaded on the server")
 
@@ -209,12 +211,12 @@ class RedisCore:
 
     async def _run_on(self, channel: Channel, calls: list[ScriptCall]) -> list[Any]:
         """Like :meth:`_run_pipeline`, on a channel."""
-        commands = [["EVALSHA", self.scripts[k].sha, len(keys), *keys, *args] for k, keys, args in calls]
+        commands = [self.scripts[k].command(keys, args) for k, keys, args in calls]
         replies = await channel.execute_many(commands)
-        if any(isinstance(r, NoScriptError) for r in replies):
+        if any(script_missing(r) for r in replies):
             for script in self.scripts.values():
-                await channel.execute("SCRIPT", "LOAD", script.source)
-            redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+                await channel.execute(*script.load_command())
+            redo = [i for i, r in enumerate(replies) if script_missing(r)]
             for i, reply in zip(redo, await channel.execute_many([commands[i] for i in redo]), strict=True):
                 replies[i] = reply
         for reply in replies:

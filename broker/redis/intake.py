@@ -21,12 +21,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from redis.exceptions import NoScriptError
-
 from broker.envelope import now_ms
 from broker.protocol import Delivery, GroupPartition
 from broker.redis.core import text
 from broker.redis.reading import Reading, lease_lost
+from broker.redis.scripts import script_missing
 from broker.redis.wire import Channel
 
 __all__ = ["LEASED_BELOW", "TOUCH_EVERY_S", "Intake"]
@@ -75,7 +74,7 @@ class Intake(Reading):
             block_ms = min(block_ms, int(self.command_timeout * 500))
         keys = [source.stream, source.keys.redeliver, source.keys.inbox, source.keys.lease]
         fence = "" if token is None else str(token)
-        sha = self.scripts["intake"].sha
+        script = self.scripts["intake"]
 
         def intake_args() -> list[Any]:
             return [consumer, source.group, count, now_ms(), lease_ms, window_ms, fence]
@@ -99,14 +98,14 @@ class Intake(Reading):
                 self._touched[mode_key] = now
                 touch = ["XREADGROUP", "GROUP", source.group, consumer, "COUNT", 1, "STREAMS", *streams, *_PAST_ALL]
             if channel is not None:
-                evalsha = ["EVALSHA", sha, len(keys), *keys, *intake_args()]
-                commands = [wait, evalsha] if touch is None else [touch, wait, evalsha]
+                call = script.command(keys, intake_args())
+                commands = [wait, call] if touch is None else [touch, wait, call]
                 replies = await channel.execute_many(commands, timeout=block_ms / 1000 + self.command_timeout)
                 for r in replies[:-1]:
                     if isinstance(r, Exception):
                         raise r
                 reply = replies[-1]
-                if isinstance(reply, NoScriptError):  # it did not run: load it and read again
+                if script_missing(reply):  # it did not run: load it and read again
                     reply = await self._intake(source, keys, intake_args(), channel)
                 elif isinstance(reply, Exception):
                     raise reply

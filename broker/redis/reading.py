@@ -10,7 +10,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from broker.codec import decode_flat
 from broker.envelope import Envelope, now_ms
@@ -19,6 +19,7 @@ from broker.protocol import Delivery, Extension, GroupPartition
 from broker.redis.core import RedisCore, text
 from broker.redis.deliveries import deliveries_of
 from broker.redis.keys import inbox_records_spanned
+from broker.redis.scripts import script_missing
 from broker.redis.wire import Channel
 
 __all__ = ["SCRIPT_CHUNK", "Reading", "claim_statuses", "lease_lost"]
@@ -110,11 +111,13 @@ class Reading(RedisCore):
         """One call of script ``name`` through the client, sent once (loaded again on NOSCRIPT, which
         means it did not run)."""
         script = self.scripts[name]
-        command = ["EVALSHA", script.sha, len(keys), *keys, *args]
+        command = script.command(keys, args)
         try:
             return await self._send_once(source, command, None, 0)
-        except NoScriptError:
-            await self.redis.script_load(script.source)
+        except ResponseError as exc:
+            if not script_missing(exc):
+                raise
+            await script.load(self.redis)
             return await self._send_once(source, command, None, 0)
 
     async def _owned_intake(self, source: GroupPartition, keys: list[str], args: list[Any]) -> Any:

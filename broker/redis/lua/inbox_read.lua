@@ -1,11 +1,16 @@
 -- inbox_read.lua: looking ids up in the inbox's processed-id buckets (inbox_store.lua has the
 -- layout); included by inbox_store.lua (which records), and alone by the scripts that only
--- check and lease (inbox_claim.lua, intake.lua): every function a script includes is built
--- anew on each call (a closure and its tables: on Valkey 9.1 about 25 us for the whole library).
+-- check and lease (inbox_claim.lua, intake.lua). Under EVALSHA every function a script includes
+-- is built anew on each call (a closure and its tables: on Valkey 9.1 about 17 us for the whole
+-- library); as a server function once, when its library loads (broker/redis/scripts.py), so state
+-- kept for one call is reset by a <file>_begin() the function calls first.
 --#include inbox_hashed
 local INBOX_SLOT = 1048576      -- 2^20 ms
 
 local inbox_metas = {}    -- slot number -> {key, r = {{t, s}, ...}, n, h, dirty} or false
+
+-- (state of one call: a function library's outlives it, so each call starts afresh)
+local function inbox_read_begin() inbox_metas = {} end
 
 -- The scripts take the ids' 16-byte forms from the caller as one string of 16-byte records
 -- (broker.redis.keys.inbox_records: 16 zero bytes for ids that are not UUIDv7/v8, kept in the zset):
@@ -14,7 +19,9 @@ local inbox_metas = {}    -- slot number -> {key, r = {{t, s}, ...}, n, h, dirty
 -- the span of the bucket the ids before it fell in (ids are time-ordered: runs share a bucket),
 -- and its 13-byte field.
 
-local INBOX_ZERO = string.rep('\0', 16)  -- the record of an id that is not UUIDv7/v8 (see inbox_t)
+-- the record of an id that is not UUIDv7/v8 (see inbox_t); a literal: a function library's top
+-- level cannot reach the string library (broker/redis/scripts.py)
+local INBOX_ZERO = '\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0'
 
 -- The id time (48-bit Unix ms, exact in a Lua number) of the record at offset o (0-based) of a
 -- string of 16-byte records, or nil for a zero record (from an older client: an id that is not
@@ -98,8 +105,13 @@ end
 -- one by one.
 local function inbox_seen_many(base, recs, count, lo_t, hi_t)
   if lo_t and math.floor(lo_t / INBOX_SLOT) == math.floor(hi_t / INBOX_SLOT) then
-    local m = inbox_meta(base, math.floor(lo_t / INBOX_SLOT))
-    if not m or m.h < lo_t then return {} end  -- (nil for every index: not recorded)
+    -- (only the slot's h, not its regimes: inbox_meta's read and parse cost the server about 4x
+    -- an HGET, and a queue read in order, a message or a batch at a time, stops here)
+    local slot = math.floor(lo_t / INBOX_SLOT)
+    local m = inbox_metas[slot]
+    local h = m and m.h
+    if m == nil then h = tonumber(redis.call('HGET', base .. ':' .. string.format('%07x', slot), 'h')) end
+    if not h or h < lo_t then return {} end  -- (nil for every index: not recorded)
   end
   local seen, order, groups = {}, {}, {}
   local hidx, hrecs = {}, {}  -- hashed records

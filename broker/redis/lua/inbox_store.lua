@@ -61,8 +61,13 @@ local INBOX_DEFAULT_WINDOW = 7 * 24 * 3600 * 1000
 local INBOX_MARGIN = 60000     -- ms a key's expiry may run past the window (at most)
 local INBOX_FINE = -5          -- the finest regime (32 buckets per ms), once <inbox>:info says fine = 1
 local inbox_pt, inbox_pf = {}, {}  -- ids to record (inbox_record_all): their times, their 13-byte fields
-local inbox_plo, inbox_phi = math.huge, -1  -- the lowest and highest of those times
+local inbox_plo, inbox_phi = 1 / 0, -1  -- the lowest and highest of those times
 local inbox_hp = {}  -- hashed records to record (inbox_record_all)
+
+-- (state of one call: a function library's outlives it, so each call starts afresh)
+local function inbox_store_begin()
+  inbox_pt, inbox_pf, inbox_plo, inbox_phi, inbox_hp = {}, {}, 1 / 0, -1, {}
+end
 
 -- The S whose buckets hold about INBOX_FILL ids at this rate, at least min_s (0 unless the group's
 -- workers all read regimes finer than a millisecond: inbox_read.lua's inbox_bucket).

@@ -53,6 +53,7 @@ end
 if not reply then return last_ids({0}, 2) end
 local ids, recs, at = {}, {}, {}  -- the ids found, their records, their positions among the entries
 local total = 0
+local lo, hi, timed = 1 / 0, -1, true  -- the ids' lowest and highest time, while every one has one
 local last = {}  -- stream name -> the id of its last entry read
 for _, stream in ipairs(reply) do
   local entries = stream[2]
@@ -69,17 +70,22 @@ for _, stream in ipairs(reply) do
       end
     end
     if id then
+      local rec = inbox_record_of(id)
       ids[#ids + 1] = id
-      recs[#recs + 1] = inbox_record_of(id)
+      recs[#recs + 1] = rec
       at[#at + 1] = total
+      local t = timed and inbox_t(rec, 0)
+      if not t then timed = false elseif t < lo then lo = t elseif t > hi then hi = t end
+      if hi < lo then hi = lo end
     end
   end
 end
 local statuses = {}
 for i = 1, total do statuses[i] = 0 end
 if #ids > 0 then
+  -- (with the ids' span, a read newer than everything the slot recorded skips its lookups)
   local got = inbox_lease(KEYS[3], tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ids, 0, #ids, #ids,
-    table.concat(recs))
+    table.concat(recs), timed and lo or nil, timed and hi or nil)
   for i = 1, #ids do statuses[at[i]] = got[i] end
 end
 local out = {1, reply, statuses}
