@@ -162,9 +162,9 @@ _STD = "string, math, table, tonumber, tostring, unpack, type, ipairs, pairs, se
 _STD_LOCALS = f"local function fw_std() return {_STD} end\nlocal {_STD}\n"
 _STD_FIRST = f"if not string then {_STD} = fw_std() end\n"
 """A function reaches a global through its library's environment, a table that looks names up in
-another (one more step for every ``string.byte`` or ``math.floor``: about 4% more server work per
-id in an ack of 500 than under ``EVALSHA``): the standard library is kept in the library's own
-locals instead, taken once, by its first call (a library's top level cannot reach it)."""
+another (one more step for every ``string.byte`` or ``math.floor``): the standard library is kept
+in the library's own locals instead, taken once, by its first call (a library's top level cannot
+reach it)."""
 
 
 _INCLUDE = "--#include "
