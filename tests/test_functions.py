@@ -59,9 +59,7 @@ def _unloaded(script: Script) -> Script:
     """``script`` under a name (and SHA) the server has never seen: as a restart without
     persistence or a FLUSH leaves it, without flushing anything shared."""
     source = script.source + f"\n-- {uuid.uuid4().hex}\n"
-    fresh = Script(script.name, source, prelude=script.prelude, flags=script.flags)
-    fresh.functions = script.functions
-    return fresh
+    return Script(script.name, source, prelude=script.prelude, flags=script.flags, functions=script.functions)
 
 
 @MODES

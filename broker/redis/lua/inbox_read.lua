@@ -1,7 +1,7 @@
 -- inbox_read.lua: looking ids up in the inbox's processed-id buckets (inbox_store.lua has the
 -- layout); included by inbox_store.lua (which records), and alone by the scripts that only
 -- check and lease (inbox_claim.lua, intake.lua). Under EVALSHA every function a script includes
--- is built anew on each call (a closure and its tables: on Valkey 9.1 about 17 us for the whole
+-- is built anew on each call (a closure and its tables: on Valkey 9.1 about 16 us for the whole
 -- library); as a server function once, when its library loads (broker/redis/scripts.py), so state
 -- kept for one call is reset by a <file>_begin() the function calls first.
 --#include inbox_hashed

@@ -75,8 +75,12 @@ for _, stream in ipairs(reply) do
       recs[#recs + 1] = rec
       at[#at + 1] = total
       local t = timed and inbox_t(rec, 0)
-      if not t then timed = false elseif t < lo then lo = t elseif t > hi then hi = t end
-      if hi < lo then hi = lo end
+      if not t then
+        timed = false
+      else
+        if t < lo then lo = t end
+        if t > hi then hi = t end
+      end
     end
   end
 end
