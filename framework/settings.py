@@ -79,7 +79,8 @@ class RuntimeSettings:
     block_ms            how long one read waits for new entries
     visibility_timeout  seconds an entry may stay unacknowledged before another consumer claims
                         it; entries this process holds are extended while their handlers run
-    ack_interval        seconds acks wait to be batched into one call
+    ack_interval        seconds acks wait to be batched into one call while other messages are
+                        in flight (with none in flight, a low rate, they go at once)
     shutdown_timeout    seconds in-flight handlers get to finish after SIGTERM
     trim_interval       seconds between retention passes over topic partitions
     retry_interval      seconds between moves of due delayed retries

@@ -272,3 +272,22 @@ async def test_a_restarted_runtime_rereads_its_own_pending_entries(redis_url: st
 async def test_runtime_settings_reject_nonsense() -> None:
     with pytest.raises(ValueError):
         RuntimeSettings(concurrency=0)
+
+
+async def test_a_lone_message_is_acked_without_waiting_for_the_ack_interval(redis_url: str, namespace: str) -> None:
+    done = anyio.Event()
+    svc = Service("s")
+
+    @svc.command("q")
+    async def h(cmd: dict) -> None:
+        done.set()
+
+    settings = attrs.evolve(TEST_SETTINGS, ack_interval=30.0)  # a batching wait no test would sit out
+    async with ServiceHarness([svc], url=redis_url, namespace=namespace, settings=settings) as harness:
+        await harness.client.send("q", {"n": 1})
+        with anyio.fail_after(10):
+            await done.wait()
+            view = harness.runtime.consumers[0].states[0].view if harness.runtime else None
+            assert view is not None
+            while await harness.broker.redis.execute_command("XPENDING", view.stream, "s", "-", "+", 10):
+                await anyio.sleep(0.01)  # nothing else in flight: the ack went at once, not after 30 s

@@ -331,8 +331,8 @@ class Settlement:
                 if not ledger.ack_buffer:  # after a failed flush the buffer is not empty: go at once
                     await ledger.ack_wakeup.wait()
                 ledger.ack_wakeup = anyio.Event()
-                if len(ledger.ack_buffer) < 1000:
-                    await anyio.sleep(interval)  # let more acks join this call
+                if ledger.in_flight and len(ledger.ack_buffer) < 1000:
+                    await anyio.sleep(interval)  # let the acks of messages in flight join this call
                 await self.flush(ledger)
                 healthy()
         finally:
