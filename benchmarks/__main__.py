@@ -126,6 +126,14 @@ def _breakdown(argv: Sequence[str]) -> int:
         return sql_breakdown.main(url, argv)
 
 
+def _inbox_steps(argv: Sequence[str]) -> int:
+    """``python -m benchmarks inbox-steps``: the server's time per message by step (:mod:`benchmarks.inbox_steps`)."""
+    from benchmarks import inbox_steps
+
+    with _server() as (url, _embedded):
+        return inbox_steps.main(url, argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmarks; exit 1 if a runtime benchmark failed (missed targets and absent modules are reported)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -133,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _soak(argv[1:])
     if argv[:1] == ["sql-breakdown"]:
         return _breakdown(argv[1:])
+    if argv[:1] == ["inbox-steps"]:
+        return _inbox_steps(argv[1:])
     if "dashboard" in argv:  # its own runner: the DLQ page with 100,000 dead letters (benchmarks/dashboard_bench.py)
         return dashboard_bench.main(argv)
     args = _parse(argv)
