@@ -157,14 +157,20 @@ class Soak:
         pipe = self.mon.pipeline(transaction=False)
         for key in keys:
             pipe.memory_usage(key, samples=0)
-        buckets = [k for k in keys if b":b:" in (k if isinstance(k, bytes) else k.encode())]
-        for key in buckets:
+        names = [k if isinstance(k, bytes) else k.encode() for k in keys]
+        hashes = [k for k in names if b":b:" in k]  # a hash bucket: a field per id
+        flats = [k for k in names if b":a:" in k]  # a flat bucket: 13 bytes per id
+        for key in hashes:
             pipe.hlen(key)
+        for key in flats:
+            pipe.strlen(key)
         pipe.zcard(self.inbox)
         replies = pipe.execute(raise_on_error=False)
         sizes, counts = replies[: len(keys)], replies[len(keys) :]
         used = sum(int(v) + KEY_ENTRY_BYTES for v in sizes if isinstance(v, int))
-        return used, sum(int(v) for v in counts if isinstance(v, int)), len(keys)
+        n = [int(v) if isinstance(v, int) else 0 for v in counts]
+        ids = sum(n[: len(hashes)]) + sum(v // 13 for v in n[len(hashes) : -1]) + n[-1]
+        return used, ids, len(keys)
 
     def dead_letter_ids(self) -> set[str]:
         """Message ids in the group's dead-letter stream (a repeated publish may have left two entries)."""

@@ -123,3 +123,21 @@ async def test_the_leased_read_derives_every_ids_record_as_the_worker_does(broke
     read = await broker.read_leased(view, "c", 100, 0, lease_ms=60_000, window_ms=0)
     assert [d.message_id for d in read] == ids
     assert [d.inbox_status for d in read] == [1] * len(forms) + [0] * len(fresh)
+
+
+@pytest.mark.parametrize("spanned", [True, False], ids=["worker's call", "no span"])
+async def test_copies_of_a_new_id_in_one_batch_run_once_and_every_new_id_is_leased(
+    broker: RedisBroker, spanned: bool
+) -> None:
+    """A batch of new ids (none recorded, none leased) is leased without a status per id; copies of
+    one id in it still get one run (0) and a wait (2), and every id holds a live lease after."""
+    view = await _view(broker)
+    check = claim_spanned if spanned else claim
+    t0 = now_ms()
+    ids = [uuid7_at(t0 + k) for k in range(6)]
+    assert await check(broker, view, [ids[0], ids[1], ids[0], ids[2], ids[0]]) == [0, 0, 2, 0, 2]
+    scores = await broker.redis.zmscore(view.keys.inbox, ids)
+    assert all(s is not None and -s > now_ms() + 50_000 for s in scores[:3])  # leased for the 60 s asked
+    assert scores[3:] == [None, None, None]
+    assert await check(broker, view, ids[3:]) == [0, 0, 0]
+    assert await check(broker, view, ids) == [2] * 6  # all leased now, elsewhere for a first delivery

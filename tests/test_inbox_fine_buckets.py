@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from broker import now_ms
-from broker.protocol import GroupPartition
+from broker.protocol import DestinationSpec
 from broker.redis import RedisBroker
 from broker.redis.keys import INBOX_FINE_ENV, INBOX_FLAT_ENV, INBOX_SLOT_MS, compact_id, inbox_slot
 from tests.test_inbox_check import claim_spanned
@@ -102,21 +102,30 @@ async def test_once_enabled_a_burst_is_recorded_in_buckets_finer_than_a_millisec
 async def test_the_settings_turn_them_on_and_off_for_the_groups_a_process_subscribes(
     broker: RedisBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Off by default (workers of earlier releases cannot read such buckets); ``1`` marks the
-    groups a process subscribes, ``0`` turns them off again, unset leaves a group as it is."""
+    """Fine buckets are off by default (workers of earlier releases cannot read them); flat buckets
+    are on for a group a subscribe creates, and an existing group keeps what it has. ``1`` marks
+    the groups a process subscribes, ``0`` turns them off again, unset leaves a group as it is."""
 
-    async def info(view: GroupPartition) -> tuple[bytes | None, bytes | None]:
+    async def info(name: str) -> tuple[bytes | None, bytes | None]:
+        spec = await broker.declare(DestinationSpec(name, "command"))
+        [view] = await broker.subscribe(spec, "g")
         got = await broker.redis.hmget(f"{view.keys.inbox}:info", "fine", "flat")
         return got[0], got[1]
 
-    assert await info(await _view(broker, "fine.off")) == (None, None)  # the default: off
+    monkeypatch.delenv(INBOX_FINE_ENV, raising=False)
+    monkeypatch.delenv(INBOX_FLAT_ENV, raising=False)
+    assert await info("fine.new") == (None, b"1")  # a new group: flat buckets, not fine ones
+    # a group an earlier release created (its info without the field) keeps hash buckets
+    await broker.redis.hdel(f"{broker.keyspace.partition('fine.new', 0).group('g').inbox}:info", "flat")
+    assert await info("fine.new") == (None, None)
     monkeypatch.setenv(INBOX_FINE_ENV, "1")
-    assert await info(await _view(broker, "fine.on")) == (b"1", None)
+    assert await info("fine.new") == (b"1", None)
     monkeypatch.setenv(INBOX_FLAT_ENV, "yes")
-    assert await info(await _view(broker, "fine.on")) == (b"1", b"1")
+    assert await info("fine.new") == (b"1", b"1")
     monkeypatch.delenv(INBOX_FINE_ENV)
     monkeypatch.delenv(INBOX_FLAT_ENV)
-    assert await info(await _view(broker, "fine.on")) == (b"1", b"1")  # unset: left as it is
+    assert await info("fine.new") == (b"1", b"1")  # unset: left as it is
     monkeypatch.setenv(INBOX_FINE_ENV, "0")
     monkeypatch.setenv(INBOX_FLAT_ENV, "off")
-    assert await info(await _view(broker, "fine.on")) == (b"0", b"0")
+    assert await info("fine.new") == (b"0", b"0")
+    assert await info("fine.other") == (b"0", b"0")  # a new group too, where the setting says off

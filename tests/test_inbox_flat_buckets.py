@@ -2,9 +2,9 @@
 
 An id in a hash bucket costs the server a look-up along the listpack, a value and an argument of
 its own; appended to a string it costs nothing per id on the server. Workers of earlier releases
-look only in hash buckets, so the writers use flat ones once the group says ``flat = 1``
-(``$FRAMEWORK_INBOX_FLAT_BUCKETS=1``; off by default), and a slot that switches keeps every id
-already recorded where it was written.
+look only in hash buckets, so the writers use flat ones once the group says ``flat = 1`` (every
+group a subscribe creates; ``$FRAMEWORK_INBOX_FLAT_BUCKETS`` turns it on or off for the groups a
+process subscribes), and a slot that switches keeps every id already recorded where it was written.
 """
 
 from __future__ import annotations

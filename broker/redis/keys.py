@@ -28,7 +28,8 @@ MULTI that touch a stream and its group keys stay on one Cluster node::
                                                        field = id bytes 4..16 (13 bytes), value 1
     <ns>:{<dest>:<p>}:g:<group>:inbox:a:<S>:<t>
                                                string  the same, flat: the 13-byte fields one after another
-                                                       (groups whose inbox:info says flat = 1)
+                                                       (groups whose inbox:info says flat = 1: by default
+                                                       every group created since flat buckets came)
     <ns>:{<dest>:<p>}:g:<group>:attempts       hash    id -> attempts started on redeliveries (crash loops)
     <ns>:{<dest>:<p>}:g:<group>:lease          hash    the partition's owner in the group (lease.lua): owner =
                                                        instance ('' when released), token = fencing token (raised
@@ -101,13 +102,14 @@ INBOX_FINE_ENV = "FRAMEWORK_INBOX_FINE_BUCKETS"
 INBOX_FLAT_ENV = "FRAMEWORK_INBOX_FLAT_BUCKETS"
 
 
-def inbox_layout_fields() -> dict[str, str]:
+def inbox_layout_fields(new_group: bool = False) -> dict[str, str]:
     """The ``<inbox>:info`` fields a subscribe writes: ``fine`` (buckets finer than a millisecond for
     bursts) and ``flat`` (buckets kept as strings of 13-byte fields, ``broker/redis/lua/inbox_store.lua``),
     ``"1"`` where ``$FRAMEWORK_INBOX_FINE_BUCKETS`` / ``$FRAMEWORK_INBOX_FLAT_BUCKETS`` say on
-    (``1``/``true``/``yes``/``on``), ``"0"`` where they say off (``0``/``false``/``no``/``off``); a
-    group is left as it is where they are unset. Every worker of this release reads both layouts;
-    workers of earlier releases cannot, so both stay off until the operator turns them on."""
+    (``1``/``true``/``yes``/``on``), ``"0"`` where they say off (``0``/``false``/``no``/``off``). Where
+    they are unset a group is left as it is, except that a group this subscribe created
+    (``new_group``) gets flat buckets: no worker of a release before them has read it. Every worker
+    of this release reads both layouts; workers of earlier releases cannot."""
     fields: dict[str, str] = {}
     for field, env in (("fine", INBOX_FINE_ENV), ("flat", INBOX_FLAT_ENV)):
         raw = os.environ.get(env, "").strip().lower()
@@ -115,6 +117,8 @@ def inbox_layout_fields() -> dict[str, str]:
             fields[field] = "1"
         elif raw in ("0", "false", "no", "off"):
             fields[field] = "0"
+    if new_group and "flat" not in fields:
+        fields["flat"] = "1"
     return fields
 
 

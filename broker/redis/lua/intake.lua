@@ -88,9 +88,11 @@ local statuses = {}
 for i = 1, total do statuses[i] = 0 end
 if #ids > 0 then
   -- (with the ids' span, a read newer than everything the slot recorded skips its lookups)
-  local got = inbox_lease(KEYS[3], tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ids, 0, #ids, #ids,
+  local got, fresh = inbox_lease(KEYS[3], tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ids, 0, #ids, #ids,
     table.concat(recs), timed and lo or nil, timed and hi or nil)
-  for i = 1, #ids do statuses[at[i]] = got[i] end
+  if not fresh then
+    for i = 1, #ids do statuses[at[i]] = got[i] end
+  end
 end
 local out = {1, reply, statuses}
 if total < tonumber(ARGV[3]) then last_ids(out, 4, last) end  -- both streams read to their end: where a wait starts
