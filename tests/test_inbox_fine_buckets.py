@@ -103,29 +103,34 @@ async def test_the_settings_turn_them_on_and_off_for_the_groups_a_process_subscr
     broker: RedisBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Fine buckets are off by default (workers of earlier releases cannot read them); flat buckets
-    are on for a group a subscribe creates, and an existing group keeps what it has. ``1`` marks
-    the groups a process subscribes, ``0`` turns them off again, unset leaves a group as it is."""
+    are on for a new inbox (the first claim that stores the group's window marks it), and an inbox
+    an earlier release used keeps what it has. ``1`` marks the groups a process subscribes, ``0``
+    turns them off again (a new inbox too), unset leaves a group as it is."""
 
-    async def info(name: str) -> tuple[bytes | None, bytes | None]:
+    async def info(name: str, *, claim_first: bool = True) -> tuple[bytes | None, bytes | None]:
         spec = await broker.declare(DestinationSpec(name, "command"))
         [view] = await broker.subscribe(spec, "g")
+        if claim_first:
+            await claim(broker, view, [uuid7_at(now_ms())], window_ms=60_000)
         got = await broker.redis.hmget(f"{view.keys.inbox}:info", "fine", "flat")
         return got[0], got[1]
 
     monkeypatch.delenv(INBOX_FINE_ENV, raising=False)
     monkeypatch.delenv(INBOX_FLAT_ENV, raising=False)
-    assert await info("fine.new") == (None, b"1")  # a new group: flat buckets, not fine ones
-    # a group an earlier release created (its info without the field) keeps hash buckets
-    await broker.redis.hdel(f"{broker.keyspace.partition('fine.new', 0).group('g').inbox}:info", "flat")
-    assert await info("fine.new") == (None, None)
+    assert await info("fine.new", claim_first=False) == (None, None)  # a subscribe alone writes nothing
+    assert await info("fine.new") == (None, b"1")  # its first claim: a new inbox gets flat buckets
+    # an inbox an earlier release used (its window stored, no flat field) keeps hash buckets
+    inbox = broker.keyspace.partition("fine.old", 0).group("g").inbox
+    await broker.redis.hset(f"{inbox}:info", "window", 60_000)
+    assert await info("fine.old") == (None, None)
     monkeypatch.setenv(INBOX_FINE_ENV, "1")
-    assert await info("fine.new") == (b"1", None)
+    assert await info("fine.old") == (b"1", None)
     monkeypatch.setenv(INBOX_FLAT_ENV, "yes")
-    assert await info("fine.new") == (b"1", b"1")
+    assert await info("fine.old") == (b"1", b"1")
     monkeypatch.delenv(INBOX_FINE_ENV)
     monkeypatch.delenv(INBOX_FLAT_ENV)
-    assert await info("fine.new") == (b"1", b"1")  # unset: left as it is
+    assert await info("fine.old") == (b"1", b"1")  # unset: left as it is
     monkeypatch.setenv(INBOX_FINE_ENV, "0")
     monkeypatch.setenv(INBOX_FLAT_ENV, "off")
-    assert await info("fine.new") == (b"0", b"0")
-    assert await info("fine.other") == (b"0", b"0")  # a new group too, where the setting says off
+    assert await info("fine.old") == (b"0", b"0")
+    assert await info("fine.other") == (b"0", b"0")  # a new inbox too, where the setting says off

@@ -3,15 +3,16 @@
 An id in a hash bucket costs the server a look-up along the listpack, a value and an argument of
 its own; appended to a string it costs nothing per id on the server. Workers of earlier releases
 look only in hash buckets, so the writers use flat ones once the group says ``flat = 1`` (every
-group a subscribe creates; ``$FRAMEWORK_INBOX_FLAT_BUCKETS`` turns it on or off for the groups a
-process subscribes), and a slot that switches keeps every id already recorded where it was written.
+new inbox: its first claim marks it; ``$FRAMEWORK_INBOX_FLAT_BUCKETS`` turns it on or off for the
+groups a process subscribes), and a slot that switches keeps every id already recorded where it was
+written.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from broker import now_ms
+from broker import DestinationSpec, now_ms
 from broker.redis import RedisBroker
 from broker.redis.keys import INBOX_SLOT_MS, inbox_slot
 from tests.test_inbox_memory import _view, bucket_size, claim, record, uuid7_at
@@ -79,3 +80,18 @@ async def test_a_repeated_ack_appends_nothing(broker: RedisBroker) -> None:
     after = {k: await bucket_size(broker, k) async for k in broker.redis.scan_iter(f"{view.keys.inbox}:a:*")}
     assert sum(after.values()) == 500
     assert await claim(broker, view, ids) == [1] * 500
+
+
+async def test_a_new_inbox_records_in_flat_buckets_with_no_setting(broker: RedisBroker) -> None:
+    """The worker's first claim stores the group's window and marks the new inbox flat: its acks
+    append to flat buckets, and not one hash bucket is written."""
+    spec = await broker.declare(DestinationSpec("flat.new", "command"))
+    [view] = await broker.subscribe(spec, "g")
+    ids = [uuid7_at(now_ms() - 2000 + i // 20) for i in range(200)]
+    assert await claim(broker, view, ids, window_ms=3_600_000) == [0] * 200
+    await record(broker, view, ids)
+    keys = [k async for k in broker.redis.scan_iter(f"{view.keys.inbox}:*")]
+    flat = [k for k in keys if b":a:" in k]
+    assert flat and not [k for k in keys if b":b:" in k]
+    assert sum([await bucket_size(broker, k) for k in flat]) == 200
+    assert await claim(broker, view, ids) == [1] * 200

@@ -39,16 +39,12 @@ def uuid7_at(ms: int) -> str:
 
 async def _view(broker: RedisBroker, name: str = "mem.q", layout: str = "hash") -> GroupPartition:
     """A new group's view; its inbox in hash buckets of a millisecond or more (as
-    ``FRAMEWORK_INBOX_FLAT_BUCKETS=0`` leaves it), or with ``layout="flat"`` in flat buckets as a new
-    group gets them, with ``FINE_BUCKETS=1`` too."""
+    ``FRAMEWORK_INBOX_FLAT_BUCKETS=0`` leaves it), or with ``layout="flat"`` in flat buckets (what a
+    new inbox gets by default) with ``FINE_BUCKETS=1`` too."""
     spec = await broker.declare(DestinationSpec(name, "command"))
     [view] = await broker.subscribe(spec, "g")
-    info = f"{view.keys.inbox}:info"
-    assert await broker.redis.hget(info, "flat") == b"1"  # a new group: flat buckets by default
-    if layout == "flat":
-        await broker.redis.hset(info, mapping={"fine": "1"})
-    else:
-        await broker.redis.hset(info, mapping={"flat": "0"})
+    layouts = {"fine": "1", "flat": "1"} if layout == "flat" else {"flat": "0"}
+    await broker.redis.hset(f"{view.keys.inbox}:info", mapping=layouts)
     return view
 
 

@@ -29,7 +29,7 @@ MULTI that touch a stream and its group keys stay on one Cluster node::
     <ns>:{<dest>:<p>}:g:<group>:inbox:a:<S>:<t>
                                                string  the same, flat: the 13-byte fields one after another
                                                        (groups whose inbox:info says flat = 1: by default
-                                                       every group created since flat buckets came)
+                                                       every inbox a claim stores its window in first)
     <ns>:{<dest>:<p>}:g:<group>:attempts       hash    id -> attempts started on redeliveries (crash loops)
     <ns>:{<dest>:<p>}:g:<group>:lease          hash    the partition's owner in the group (lease.lua): owner =
                                                        instance ('' when released), token = fencing token (raised
@@ -102,14 +102,15 @@ INBOX_FINE_ENV = "FRAMEWORK_INBOX_FINE_BUCKETS"
 INBOX_FLAT_ENV = "FRAMEWORK_INBOX_FLAT_BUCKETS"
 
 
-def inbox_layout_fields(new_group: bool = False) -> dict[str, str]:
+def inbox_layout_fields() -> dict[str, str]:
     """The ``<inbox>:info`` fields a subscribe writes: ``fine`` (buckets finer than a millisecond for
     bursts) and ``flat`` (buckets kept as strings of 13-byte fields, ``broker/redis/lua/inbox_store.lua``),
     ``"1"`` where ``$FRAMEWORK_INBOX_FINE_BUCKETS`` / ``$FRAMEWORK_INBOX_FLAT_BUCKETS`` say on
-    (``1``/``true``/``yes``/``on``), ``"0"`` where they say off (``0``/``false``/``no``/``off``). Where
-    they are unset a group is left as it is, except that a group this subscribe created
-    (``new_group``) gets flat buckets: no worker of a release before them has read it. Every worker
-    of this release reads both layouts; workers of earlier releases cannot."""
+    (``1``/``true``/``yes``/``on``), ``"0"`` where they say off (``0``/``false``/``no``/``off``); a
+    group is left as it is where they are unset. Every worker of this release reads both layouts;
+    workers of earlier releases cannot. So fine buckets stay off until the operator turns them on,
+    and flat ones are on only for an inbox that is new: the first claim that stores the group's
+    window (``inbox_lease.lua``) sets ``flat = 1`` unless a subscribe wrote ``0`` before it."""
     fields: dict[str, str] = {}
     for field, env in (("fine", INBOX_FINE_ENV), ("flat", INBOX_FLAT_ENV)):
         raw = os.environ.get(env, "").strip().lower()
@@ -117,8 +118,6 @@ def inbox_layout_fields(new_group: bool = False) -> dict[str, str]:
             fields[field] = "1"
         elif raw in ("0", "false", "no", "off"):
             fields[field] = "0"
-    if new_group and "flat" not in fields:
-        fields["flat"] = "1"
     return fields
 
 

@@ -82,17 +82,15 @@ class Topology(RedisCore, Routing):
         first = "0" if (start == "earliest" or not spec.is_topic) else "$"
         views = [self.group_partition(spec, p, group) for p in range(spec.partitions)]
         for view in views:
-            created = False  # the group is new on this partition: no worker has recorded ids in its inbox
             for stream, at in ((view.stream, first), (view.keys.redeliver, "0")):
                 try:
                     await self.redis.xgroup_create(stream, group, id=at, mkstream=True)
-                    created = created or stream == view.stream
                 except ResponseError as exc:
                     if "BUSYGROUP" not in str(exc):
                         raise
-            # the bucket layouts the operator turned on or off, flat buckets for a new group (keys.py)
-            layout = inbox_layout_fields(new_group=created)
-            if layout:
-                await self.redis.hset(f"{view.keys.inbox}:info", mapping=layout)
         await self.redis.hsetnx(self.keyspace.subscriptions, f"{spec.name}|{group}", orjson.dumps({"start": start}))
+        layout = inbox_layout_fields()  # the bucket layouts the operator turned on or off (keys.py)
+        if layout:
+            for view in views:
+                await self.redis.hset(f"{view.keys.inbox}:info", mapping=layout)
         return views

@@ -3,7 +3,8 @@
 --
 -- base    the group's inbox zset (see inbox_claim.lua)
 -- now     Unix ms; lease_ms: the lease's length; window: the group's dedup window, ms, as text
---         (stored in <inbox>:info for the scripts that record ids; '0' leaves it as it is)
+--         (stored in <inbox>:info for the scripts that record ids; '0' leaves it as it is; the
+--         first one stored marks a new inbox flat, see below)
 -- ids     a table holding the c message ids at ids[off + 1 .. off + c]; the first n are first
 --         deliveries (they respect a live lease held elsewhere), the rest redeliveries (they take
 --         over a lease whose holder timed out, or that is our own)
@@ -18,8 +19,15 @@
 -- One ZMSCORE and one variadic ZADD per 1000 ids (not one call per id); the buckets are checked
 -- with one HMGET per bucket the ids fall in (a handful per batch).
 local function inbox_lease(base, now, lease_ms, window, ids, off, n, c, recs, lo, hi)
-  if window ~= '0' and redis.call('HGET', base .. ':info', 'window') ~= window then
-    redis.call('HSET', base .. ':info', 'window', window)
+  if window ~= '0' then
+    local info = base .. ':info'
+    local stored = redis.call('HGET', info, 'window')
+    if stored ~= window then
+      -- An inbox no claim stored its window in is new: no worker of a release before flat buckets
+      -- has used it, so it gets them (inbox_store.lua), unless a subscribe wrote flat = 0 first.
+      if not stored then redis.call('HSETNX', info, 'flat', '1') end
+      redis.call('HSET', info, 'window', window)
+    end
   end
   local lease = -(now + lease_ms)
   -- unpack() fails beyond about 8000 values (Lua's C stack) and a fetch may hold more (2 x

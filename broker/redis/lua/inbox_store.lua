@@ -38,8 +38,8 @@
 -- inbox_bucket). A burst (hundreds of ids in one ms) then fills buckets of about INBOX_FILL, not
 -- one 1-ms listpack that every HSET scans (its cost grows with the square of the burst).
 -- Flat buckets: once <inbox>:info says flat = 1 (every worker of the group reads them; set by the
--- subscribe that creates a group, and by the workers started with $FRAMEWORK_INBOX_FLAT_BUCKETS=1:
--- broker.redis.topology), new regimes keep
+-- first claim that stores the group's window, inbox_lease.lua, and by the workers started with
+-- $FRAMEWORK_INBOX_FLAT_BUCKETS=1: broker.redis.topology), new regimes keep
 -- their ids in strings of 13-byte fields, one APPEND per bucket and call: the server does no work
 -- per id (an HSET field costs a look-up along the listpack, a value and an argument of its own:
 -- callgrind, an ack of 500 ids 23.6k -> 16.8k instructions per id), and an id takes 13 bytes. A
