@@ -60,14 +60,8 @@ local function inbox_lease(base, now, lease_ms, window, ids, off, n, c, recs, lo
         added = added + redis.call('ZADD', base, unpack(zadd, first, math.min(first + 2 * CHUNK - 1, 2 * c)))
       end
       if added == c then return nil, true end
-      -- fewer added than ids: copies of an id in this batch (the first runs, the others wait; their
-      -- ZADD moved its lease a fraction of a ms later, no more)
-      local out, taken = {}, {}
-      for i = 1, c do
-        local id = ids[off + i]
-        if taken[id] then out[i] = 2 else taken[id] = true; out[i] = 0 end
-      end
-      return out, false
+      -- fewer added than ids: copies of an id in this batch; the loop below gives each its status
+      -- (the first runs, the others wait) and sets the first copy's lease again
     end
   end
   local out, zadd, taken = {}, {}, {}
