@@ -196,12 +196,15 @@ def test_c_repeated_resets_reconnect_at_once_and_log_one_pair_per_outage(
     _flap(proxy, flaps, 0.5)
     send_credits(redis_url, namespace, 2, first=1)
     latency = wait_for(lambda: ledger.applied() == 2, 15, "a credit after the last reset")
-    assert latency < 2.0, f"{latency:.1f}s to process again after the network came back"
-    time.sleep(0.5)
+    # before the fix this was the 3.2 s back-off plus the work; 2.5 s leaves room for a loaded machine
+    assert latency < 2.5, f"{latency:.1f}s to process again after the network came back"
+    wait_for(
+        lambda: len(w.events("connection to the broker restored")) == len(w.events("connection to the broker lost")),
+        5,
+        "a 'restored' line for every 'lost' line",
+    )
     lost = w.events("connection to the broker lost")
-    restored = w.events("connection to the broker restored")
     assert 1 <= len(lost) <= flaps, [e.get("actor") for e in lost]
-    assert len(restored) == len(lost)
     assert not w.events("broker unreachable"), "a line per retry per task"
     assert not w.events("actor crashed")
     ledger.assert_exactly_once(2)

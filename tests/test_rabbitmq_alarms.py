@@ -8,11 +8,14 @@ server blocks every publishing connection meanwhile (the tests' virtual host inc
 
 from __future__ import annotations
 
+import fcntl
 import re
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -32,13 +35,37 @@ def _ctl(*args: str) -> str:
     return subprocess.run(["rabbitmqctl", *args], check=True, capture_output=True, text=True, timeout=60).stdout
 
 
+_LOCK = Path(tempfile.gettempdir()) / "fw-test-rabbitmq-alarm.lock"
+_SANE_ABSOLUTE = 64 * 1024 * 1024  # an absolute watermark below this is an alarm left on, not a setting
+_DEFAULT = "0.4"  # RabbitMQ's default relative watermark
+
+
 @pytest.fixture
 def alarm(rabbitmq_url: str) -> Iterator[Any]:
-    """``alarm(True)`` raises a memory alarm on the server, ``alarm(False)`` clears it (also at the end)."""
-    before = _ctl("eval", "vm_memory_monitor:get_vm_memory_high_watermark().").strip()
-    restore = ["absolute", before] if before.isdigit() else [before]
-    if not re.fullmatch(r"[0-9.]+", before):
+    """``alarm(True)`` raises a memory alarm on the server, ``alarm(False)`` clears it (also at the end).
+
+    Two test runs on one machine share its server: a lock file keeps their alarms apart, so neither
+    reads the other's 1-byte watermark as the value to restore; a tiny absolute watermark found
+    anyway (left by a run that was killed) is replaced by RabbitMQ's default."""
+    with _LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield from _alarm()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _alarm() -> Iterator[Any]:
+    before = _ctl("eval", "vm_memory_monitor:get_vm_memory_high_watermark().").strip()  # 0.4 or {absolute,N}
+    absolute = re.fullmatch(r"\{absolute,([0-9]+)\}", before)
+    if absolute:
+        restore = ["absolute", absolute[1]] if int(absolute[1]) >= _SANE_ABSOLUTE else [_DEFAULT]
+    elif re.fullmatch(r"[0-9.]+", before):
+        restore = [before]
+    else:
         pytest.skip(f"cannot read the server's memory watermark to restore it: {before!r}")
+    if restore == [_DEFAULT] and absolute:  # an alarm left on: cleared before the test starts
+        _ctl("set_vm_memory_high_watermark", _DEFAULT)
 
     def set_alarm(on: bool) -> None:
         _ctl("set_vm_memory_high_watermark", *(["absolute", "1"] if on else restore))

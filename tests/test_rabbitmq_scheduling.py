@@ -133,7 +133,7 @@ async def test_a_due_message_whose_forwarding_failed_is_published_by_the_next_sw
         assert (await as_scheduler(broker).move_scheduled(now_ms(), sweep=True)).moved == 1
         h.services = [svc]
         await h.start()
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):  # a runtime's start on RabbitMQ takes seconds on a loaded machine
             while not got:
                 await anyio.sleep(0.05)
         await h.run_until_idle()
