@@ -44,28 +44,26 @@ _DEFAULT = "0.4"  # RabbitMQ's default relative watermark
 def alarm(rabbitmq_url: str) -> Iterator[Any]:
     """``alarm(True)`` raises a memory alarm on the server, ``alarm(False)`` clears it (also at the end).
 
-    Two test runs on one machine share its server: a lock file keeps their alarms apart, so neither
-    reads the other's 1-byte watermark as the value to restore; a tiny absolute watermark found
-    anyway (left by a run that was killed) is replaced by RabbitMQ's default."""
+    Two test runs on one machine share its server: a lock file (released when it closes) keeps one
+    run's alarm from blocking, or being cleared by, the other's test; a tiny absolute watermark
+    found at the start (an alarm left on by a run that was killed) is replaced by RabbitMQ's default."""
     with _LOCK.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield from _alarm()
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        yield from _alarm()
 
 
 def _alarm() -> Iterator[Any]:
     before = _ctl("eval", "vm_memory_monitor:get_vm_memory_high_watermark().").strip()  # 0.4 or {absolute,N}
     absolute = re.fullmatch(r"\{absolute,([0-9]+)\}", before)
-    if absolute:
-        restore = ["absolute", absolute[1]] if int(absolute[1]) >= _SANE_ABSOLUTE else [_DEFAULT]
+    if absolute and int(absolute[1]) < _SANE_ABSOLUTE:  # an alarm left on: cleared before the test starts
+        _ctl("set_vm_memory_high_watermark", _DEFAULT)
+        restore = [_DEFAULT]
+    elif absolute:
+        restore = ["absolute", absolute[1]]
     elif re.fullmatch(r"[0-9.]+", before):
         restore = [before]
     else:
         pytest.skip(f"cannot read the server's memory watermark to restore it: {before!r}")
-    if restore == [_DEFAULT] and absolute:  # an alarm left on: cleared before the test starts
-        _ctl("set_vm_memory_high_watermark", _DEFAULT)
 
     def set_alarm(on: bool) -> None:
         _ctl("set_vm_memory_high_watermark", *(["absolute", "1"] if on else restore))
