@@ -451,12 +451,14 @@ async def test_cleanup_deletes_old_sent_rows_and_inbox_records_only(engine: Asyn
         for i in range(5):
             await outbox.add_event(conn, "orders.placed", {"n": i})
         await outbox.claim_inbox(conn, "billing", "m-old")
-    relay = OutboxRelay(engine, broker, retention=0.2, inbox_retention=0.2)
+    retention = 2.0  # wide enough that a loaded machine reaches the first cleanup before it passes
+    relay = OutboxRelay(engine, broker, retention=retention, inbox_retention=retention)
     await relay.drain()
+    sent = time.monotonic()
     async with engine.begin() as conn:
         waiting = await outbox.add_event(conn, "orders.placed", {"n": 99})  # not published yet
     assert await relay.cleanup() == (0, 0)  # nothing is old enough yet
-    await anyio.sleep(0.3)
+    await anyio.sleep(sent + retention + 0.1 - time.monotonic())
     async with engine.begin() as conn:
         await outbox.claim_inbox(conn, "billing", "m-new")
     assert await relay.cleanup() == (5, 1)
