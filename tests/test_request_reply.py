@@ -50,7 +50,8 @@ class Priced:
     currency: str  # a field the handler's reply does not have
 
 
-def pricing_service(name: str, *, runs: list[str] | None = None) -> Service:
+def pricing_service(name: str, *, runs: list[str] | None = None, release: anyio.Event | None = None) -> Service:
+    """Quotes; the sku ``slow`` waits for ``release`` (or a second) before it replies."""
     svc = Service(name, retry=RetryPolicy(max_attempts=2, backoff=0.01, max_delay=0.02, fatal=(ValueError,)))
 
     @svc.command(f"{name}.quote")
@@ -60,7 +61,10 @@ def pricing_service(name: str, *, runs: list[str] | None = None) -> Service:
         if q.qty < 0:
             raise ValueError(f"quantity {q.qty} is negative")
         if q.sku == "slow":
-            await anyio.sleep(1.0)
+            if release is None:
+                await anyio.sleep(1.0)
+            else:
+                await release.wait()
         return Price(q.sku, 250 * q.qty)
 
     @svc.command(f"{name}.total")
@@ -148,10 +152,15 @@ async def test_a_reply_that_does_not_decode_names_the_field(url: str) -> None:
 
 async def test_late_replies_are_counted_and_dropped_and_deadline_passed_is_not_run(url: str) -> None:
     runs: list[str] = []
-    svc = pricing_service(f"p{uuid.uuid4().hex[:6]}", runs=runs)
+    release = anyio.Event()
+    svc = pricing_service(f"p{uuid.uuid4().hex[:6]}", runs=runs, release=release)
     async with ServiceHarness([svc], url=url) as hs:
+        # (a deadline long enough for the handler to start on a loaded machine: one that passed
+        # before the start would be acked unrun, and no reply would come)
         with pytest.raises(RequestTimeout):
-            await hs.client.request(f"{svc.name}.quote", Quote("slow", 1), timeout=0.3, response=Price)
+            await hs.client.request(f"{svc.name}.quote", Quote("slow", 1), timeout=1.5, response=Price)
+        assert "slow" in runs
+        release.set()
         # the slow handler replies after the timeout: counted as late, dropped
         with anyio.fail_after(10):
             while hs.client.reply_stats["late_replies"] < 1:
