@@ -19,7 +19,7 @@ import redis
 
 from broker.redis import RedisBroker
 from tests.conftest import run_cli
-from tests.workers import Workers, wait_for
+from tests.workers import Workers, wait_for, whole_lines
 
 
 def _ok(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -193,8 +193,7 @@ def test_a_processed_message_logs_a_debug_line(workers: Workers, worker_env: dic
     message_id = _ok("send", "jobs", '{"n": "d-1"}', env=worker_env).stdout.strip()
 
     def settled() -> list[dict[str, object]]:
-        log = workers.log("dbg")  # the worker may be writing its last line: only whole lines count
-        lines = [json.loads(x) for x in log[: log.rfind("\n") + 1].splitlines() if x.startswith("{")]
+        lines = [json.loads(x) for x in whole_lines(workers.log("dbg")) if x.startswith("{")]
         return [x for x in lines if x.get("event") == "message settled" and x.get("message_id") == message_id]
 
     wait_for(settled, 30, "the debug line of the processed message")

@@ -22,7 +22,7 @@ import pytest
 
 from framework import Queue, SyncClient
 from tests.conftest import ROOT, run_cli
-from tests.workers import Workers, wait_for
+from tests.workers import Workers, wait_for, whole_lines
 
 pytestmark = [pytest.mark.slow]
 
@@ -215,7 +215,7 @@ def test_a_worker_paused_past_the_heartbeat_loses_its_partitions_to_another_and_
     def seen() -> list[tuple[str, int]]:
         out = []
         for f in runs_dir.iterdir():
-            out += [(line.split()[0], int(line.split()[1])) for line in _whole_lines(f) if line]
+            out += [(line.split()[0], int(line.split()[1])) for line in whole_lines(f.read_text()) if line]
         return out
 
     opts = ("--concurrency", "2", "--prefetch", "10")
@@ -247,17 +247,11 @@ def test_a_worker_paused_past_the_heartbeat_loses_its_partitions_to_another_and_
 CHARGES = Queue("rabbit.charges", partitions=2)  # as tests/apps/rabbitapp.py declares it
 
 
-def _whole_lines(path: Path) -> list[str]:
-    """The lines of a worker's file that it has finished writing (it may be writing the last one now)."""
-    text = path.read_text()
-    return text[: text.rfind("\n") + 1].splitlines()
-
-
 def _lines(runs_dir: Path) -> list[tuple[str, str, int, str]]:
     """(worker, "start" | "end", n, message id) of every line the billing workers wrote."""
     out = []
     for f in sorted(runs_dir.iterdir()):
-        for line in _whole_lines(f):
+        for line in whole_lines(f.read_text()):
             what, n, mid = line.split()
             out.append((f.name, what, int(n), mid))
     return out

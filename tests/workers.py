@@ -49,3 +49,8 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None
         _wait_for(predicate, timeout, what)
     except TimeoutError as exc:
         raise AssertionError(str(exc)) from None
+
+
+def whole_lines(text: str) -> list[str]:
+    """The lines of a file a worker appends to that it has finished writing (it may be writing the last now)."""
+    return text[: text.rfind("\n") + 1].splitlines()
